@@ -1,0 +1,74 @@
+"""Test setup: without a GPU, kernels run on CPU tensors under the Triton interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so it is set here, first.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tritonattn.testing import attention_ref, check_close  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="GPU tier: needs a CUDA device (run scripts/gpu_check.sh on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def case_id(B, Sq, Sk, Hq, Hkv, D, causal, dtype, extra=""):
+    """Readable test id, e.g. ``B2-Sq17-Sk65-H4/2-D40-causal-fp16``."""
+    parts = [f"B{B}", f"Sq{Sq}", f"Sk{Sk}", f"H{Hq}/{Hkv}", f"D{D}", "causal" if causal else "full",
+             DTYPE_NAMES[dtype]]
+    if extra:
+        parts.append(extra)
+    return "-".join(parts)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the library allocates starts as NaN, so an element the kernels fail to write
+    shows up as NaN in the result (the checks reject NaN)."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scale=None):
+    """Check out, lse and (dq, dk, dv) against the fp64 reference with the tolerance rule."""
+    def leaves():
+        return [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    ref_in, pt_in = leaves(), leaves()
+    out_ref, lse_ref = attention_ref(*ref_in, causal=causal, softmax_scale=softmax_scale)
+    out_pt, lse_pt = attention_ref(*pt_in, causal=causal, softmax_scale=softmax_scale, upcast=False)
+    check_close("out", out, out_ref, out_pt, k=2)
+    if lse is not None:
+        check_close("lse", lse, lse_ref, lse_pt, k=2)
+    if grads is None:
+        return
+    g_ref = torch.autograd.grad(out_ref, ref_in, dout.double())
+    g_pt = torch.autograd.grad(out_pt, pt_in, dout)
+    magnitude = max(r.abs().max().item() if r.numel() else 0.0 for r in g_ref)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
+        check_close(name, g, r, p, k=3, magnitude=magnitude)

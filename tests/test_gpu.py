@@ -1,0 +1,74 @@
+"""GPU tier: bf16 / fp16 / fp32, long sequences, every head dim and every config of the table.
+
+Marked ``gpu``; needs a CUDA device (scripts/gpu_check.sh runs it on the H200). The tests of the
+other files also run on the GPU when one is present.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE, case_id, check_against_reference
+
+from tritonattn import configs, flash_attn_func
+from tritonattn.testing import random_qkv
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+DTYPE_OF_SIZE = {2: (BF16, F16), 4: (F32,)}
+# one head dim that maps to each padded head dim of the table, plus odd ones padded inside
+HEAD_DIM_OF_BLOCK = {16: [8, 16], 32: [32], 64: [40, 64], 128: [80, 96, 128], 256: [160, 192, 256]}
+
+
+def _table_cases():
+    cases = []
+    for block_d, elem in sorted(configs.table_configs()["fwd"]):
+        for dtype in DTYPE_OF_SIZE[elem]:
+            for D in HEAD_DIM_OF_BLOCK[block_d]:
+                for causal in (False, True):
+                    cases.append((2, 1000, 1531, 8, 2, D, causal, dtype))
+                    cases.append((1, 1531, 777, 4, 1, D, causal, dtype))
+    return cases
+
+
+TABLE_CASES = _table_cases()
+LONG_CASES = [
+    (1, 8192, 8192, 4, 1, 128, True, BF16),
+    (1, 8192, 8192, 2, 2, 64, False, BF16),
+    (1, 4096, 4096, 4, 2, 256, True, BF16),
+    (1, 8192, 8192, 2, 1, 128, True, F16),
+    (2, 1, 8192, 8, 2, 128, False, BF16),
+    (2, 8192, 1, 8, 2, 128, True, BF16),
+    (2, 3000, 5000, 8, 8, 96, True, BF16),
+    (2, 5000, 3000, 8, 4, 80, True, BF16),
+]
+
+
+def _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype):
+    torch.manual_seed(Sq + Sk + D)
+    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(q, k, v, out, lse, grads, dout, causal)
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", TABLE_CASES, ids=[case_id(*c) for c in TABLE_CASES])
+def test_every_table_config(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
+    _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
+def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
+    _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+
+
+def test_deterministic_at_scale():
+    torch.manual_seed(0)
+    q, k, v = random_qkv(2, 4096, 4096, 16, 4, 128, BF16, DEVICE)
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)

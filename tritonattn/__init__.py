@@ -1,0 +1,21 @@
+"""tritonattn: FlashAttention in Triton for PyTorch, with flash-attn 2's API.
+
+The kernels are imported on first use, so that ``python -m tritonattn`` (and tests) can choose
+the Triton interpreter (``TRITON_INTERPRET=1``, read by Triton at import) before Triton loads.
+"""
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tritonattn.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from tritonattn import interface
+
+        return getattr(interface, name)
+    raise AttributeError(f"module 'tritonattn' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Benchmark harness: ``python -m tritonattn.bench`` (see __main__.py)."""

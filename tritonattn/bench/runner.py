@@ -1,0 +1,251 @@
+"""Benchmark machinery: shapes, backends (tritonattn and its peers), timing, result rows, tables.
+
+FLOPs follow the FlashAttention convention: forward 4*B*Hq*Sq*Sk*D (halved when causal),
+backward 2.5x forward. Times are medians of CUDA-event timings (triton.testing.do_bench) after
+warm-up, on random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
+ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math"]
+MODES = ["fwd", "bwd", "fwd+bwd"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    grid: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype
+
+    def label(self) -> str:
+        s = f"S{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"Sq{self.seqlen_q}-Sk{self.seqlen_k}"
+        return (f"B{self.batch}-H{self.heads}/{self.kv_heads}-{s}-D{self.head_dim}-"
+                f"{'causal' if self.causal else 'full'}-{DTYPE_NAMES[self.dtype]}")
+
+    def flops(self, mode: str) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        if self.causal:
+            f /= 2
+        return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+
+
+def environment() -> dict:
+    """GPU, library versions and git commit, recorded with every row."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    import triton
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-interpreter",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cudnn": str(cudnn),
+        "commit": commit,
+    }
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "sdpa-math": SDPBackend.MATH,
+    }[name]
+
+
+_flex_compiled = None
+
+
+def _flex():
+    global _flex_compiled
+    if _flex_compiled is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # every shape of a grid is a new graph: without this dynamo falls back to eager flex (~30x slower)
+        torch._dynamo.config.cache_size_limit = 1000
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 1000
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled
+
+
+def make_callable(backend: str, shape: Shape, device: str = "cuda"):
+    """Inputs and a zero-argument forward for one backend. Returns (fn, inputs, note)."""
+    from tritonattn import flash_attn_func
+
+    B, Hq, Hkv, Sq, Sk, D = shape.batch, shape.heads, shape.kv_heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=shape.dtype)
+
+    if backend == "tritonattn":
+        q, k, v = randn(B, Sq, Hq, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
+        ins = [t.requires_grad_() for t in (q, k, v)]
+        return (lambda: flash_attn_func(*ins, causal=shape.causal)), ins, ""
+
+    # PyTorch peers take (B, H, S, D)
+    q, k, v = randn(B, Hq, Sq, D), randn(B, Hkv, Sk, D), randn(B, Hkv, Sk, D)
+    note = ""
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = _flex()
+        block_mask = None
+        if shape.causal:
+            off = Sk - Sq  # bottom-right, as tritonattn
+
+            def causal_mod(b, h, qi, kj):
+                return kj <= qi + off
+
+            block_mask = create_block_mask(causal_mod, None, None, Sq, Sk, device=device)
+        ins = [t.requires_grad_() for t in (q, k, v)]
+        return (lambda: flex(*ins, block_mask=block_mask, enable_gqa=Hq != Hkv)), ins, note
+
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    be = _sdpa_backend(backend)
+    if shape.causal and Sq != Sk:
+        raise NotImplementedError("SDPA's causal mask is top-left aligned; benchmark shapes use Sq == Sk")
+    gqa = Hq != Hkv
+    ins = [t.requires_grad_() for t in (q, k, v)]
+    if gqa:
+        try:
+            with sdpa_kernel(be):
+                sdpa(*ins, is_causal=shape.causal, enable_gqa=True)
+        except RuntimeError:
+            # this backend has no native GQA: give it expanded K/V (what users of it must do)
+            k2, v2 = (t.detach().repeat_interleave(Hq // Hkv, dim=1).requires_grad_() for t in (k, v))
+            ins = [ins[0], k2, v2]
+            gqa = False
+            note = "kv expanded"
+
+    def fn():
+        with sdpa_kernel(be):
+            return sdpa(*ins, is_causal=shape.causal, enable_gqa=gqa)
+
+    return fn, ins, note
+
+
+def _bench(fn: Callable, grad_to_none=None) -> float:
+    """Median milliseconds: CUDA events on a GPU; a few wall-clock runs under the interpreter."""
+    if not torch.cuda.is_available():
+        import statistics
+        import time
+
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) -> float:
+    """Max abs error of one (batch 0, head 0) slice against fp32 math attention."""
+    q, k, v = (t.detach() for t in ins)
+    if layout_bshd:
+        q, k, v, o = q[0, :, 0], k[0, :, 0], v[0, :, 0], backend_out[0, :, 0]
+    else:
+        q, k, v, o = q[0, 0], k[0, 0], v[0, 0], backend_out[0, 0]
+    s = (q.float() @ k.float().T) / math.sqrt(shape.head_dim)
+    if shape.causal:
+        Sq, Sk = s.shape
+        mask = torch.arange(Sk, device=s.device)[None, :] <= torch.arange(Sq, device=s.device)[:, None] + (Sk - Sq)
+        s = s.masked_fill(~mask, float("-inf"))
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ v.float()
+    return (o.float() - ref).abs().max().item()
+
+
+def measure_shape(shape: Shape, backends, modes, env: Optional[dict] = None) -> list[dict]:
+    """Time every backend on one shape; a backend that cannot run the shape gets a row with its error."""
+    env = env if env is not None else environment()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for backend in backends:
+        base = dict(env, **{k: v for k, v in asdict(shape).items() if k != "dtype"},
+                    dtype=DTYPE_NAMES[shape.dtype], shape=shape.label(), backend=backend)
+        try:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            fn, ins, note = make_callable(backend, shape, device)
+            out = fn()
+            err = _out_error(out, ins, shape, backend == "tritonattn")
+            dout = torch.randn_like(out)
+            for mode in modes:
+                if mode == "fwd":
+                    ms = _bench(fn)
+                elif mode == "bwd":
+                    out = fn()
+                    ms = _bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=ins)
+                else:
+                    ms = _bench(lambda: fn().backward(dout), grad_to_none=ins)
+                rows.append(dict(base, mode=mode, ms=ms, tflops=shape.flops(mode) / ms * 1e-9, max_err=err,
+                                 peak_mem_gb=None, note=note))
+            if "fwd+bwd" in modes and device == "cuda":
+                del out
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                fn().backward(dout)
+                torch.cuda.synchronize()
+                rows[-1]["peak_mem_gb"] = (torch.cuda.max_memory_allocated() - start) / 2**30
+            del fn, ins
+        except Exception as e:  # noqa: BLE001 - a peer lacking a shape is a result, not a crash
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            for mode in modes:
+                rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None, note=msg))
+    return rows
+
+
+def print_table(rows: list[dict], file=None) -> None:
+    """Markdown table: TFLOP/s per backend, and tritonattn's ratio to the best peer."""
+    import sys
+
+    file = file or sys.stdout
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+    keys = []
+    for r in rows:
+        key = (r["shape"], r["mode"])
+        if key not in keys:
+            keys.append(key)
+    head = ["shape", "mode", *backends, "ratio to best peer"]
+    print("| " + " | ".join(head) + " |", file=file)
+    print("|" + "---|" * len(head), file=file)
+    for shape, mode in keys:
+        cell = {r["backend"]: r for r in rows if r["shape"] == shape and r["mode"] == mode}
+        vals = []
+        for b in backends:
+            t = cell.get(b, {}).get("tflops")
+            vals.append(("-" if not t else f"{t:.1f}" if t >= 1 else f"{t:.2g}"))
+        ours = cell.get("tritonattn", {}).get("tflops")
+        peers = [cell[b]["tflops"] for b in backends if b != "tritonattn" and b != "sdpa-math"
+                 and cell.get(b, {}).get("tflops")]
+        ratio = f"{ours / max(peers):.2f}x" if ours and peers else "-"
+        print(f"| {shape} | {mode} | " + " | ".join(vals) + f" | {ratio} |", file=file)

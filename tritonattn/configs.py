@@ -1,0 +1,117 @@
+"""Tile configurations: the one place that decides block sizes, warps and pipelining depth.
+
+Keyed by (arch, mode, padded head dim, element size). The measurement behind each sm90 entry is
+in benchmarks/NOTES.md. No autotuning on the default path: the first call of a shape costs
+only compilation.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims that are not powers of two are padded inside the kernel (masked loads)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Upcast bf16 dot operands under the interpreter, whose bf16 tl.dot is wrong."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full fp32 products (no silent tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+C = TileConfig
+# mode -> {(padded head dim, element bytes): config}. Modes: fwd, bwd_dkdv, bwd_dq.
+_SM90 = {
+    "fwd": {
+        (16, 2): C(128, 64, 4, 3), (32, 2): C(128, 64, 4, 3), (64, 2): C(128, 64, 4, 3),
+        (128, 2): C(128, 64, 8, 3), (256, 2): C(64, 64, 4, 2),
+        (16, 4): C(64, 32, 4, 2), (32, 4): C(64, 32, 4, 2), (64, 4): C(64, 32, 4, 2),
+        (128, 4): C(64, 32, 4, 2), (256, 4): C(32, 32, 4, 1),
+    },
+    "bwd_dkdv": {
+        (16, 2): C(64, 128, 8, 2), (32, 2): C(64, 128, 8, 2), (64, 2): C(64, 128, 8, 2),
+        (128, 2): C(64, 128, 8, 2), (256, 2): C(32, 64, 8, 1),
+        (16, 4): C(32, 64, 4, 1), (32, 4): C(32, 64, 4, 1), (64, 4): C(32, 64, 4, 1),
+        (128, 4): C(32, 64, 4, 1), (256, 4): C(16, 32, 4, 1),
+    },
+    "bwd_dq": {
+        (16, 2): C(128, 64, 8, 2), (32, 2): C(128, 64, 8, 2), (64, 2): C(128, 64, 8, 2),
+        (128, 2): C(128, 64, 8, 2), (256, 2): C(64, 32, 8, 1),
+        (16, 4): C(64, 32, 4, 1), (32, 4): C(64, 32, 4, 1), (64, 4): C(64, 32, 4, 1),
+        (128, 4): C(64, 32, 4, 1), (256, 4): C(32, 16, 4, 1),
+    },
+}
+# Under the interpreter: unequal block sizes (so block-range arithmetic that assumes
+# BLOCK_M == BLOCK_N fails the tests) and few enough iterations to keep CI fast.
+_INTERP = {
+    "fwd": C(64, 32, 4, 1),
+    "bwd_dkdv": C(32, 64, 4, 1),
+    "bwd_dq": C(64, 32, 4, 1),
+}
+_PREPROCESS = C(64, 0, 4, 1)
+
+_override: dict[str, TileConfig] = {}
+
+
+@contextmanager
+def override(**modes: TileConfig):
+    """Force configs for some modes (fwd=..., bwd_dkdv=..., bwd_dq=...): for tests and tuning."""
+    saved = dict(_override)
+    _override.update(modes)
+    try:
+        yield
+    finally:
+        _override.clear()
+        _override.update(saved)
+
+
+def table_configs() -> dict[str, dict[tuple[int, int], TileConfig]]:
+    """Every config the GPU table can pick (the GPU test tier runs each of them)."""
+    return _SM90
+
+
+def _lookup(mode: str, q: torch.Tensor) -> TileConfig:
+    if mode in _override:
+        return _override[mode]
+    if q.device.type != "cuda":
+        return _INTERP[mode]
+    # sm90 table; other arches use it too until they have measurements of their own
+    return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size())]
+
+
+def forward_config(q: torch.Tensor, causal: bool) -> TileConfig:
+    return _lookup("fwd", q)
+
+
+def backward_dkdv_config(q: torch.Tensor, causal: bool) -> TileConfig:
+    return _lookup("bwd_dkdv", q)
+
+
+def backward_dq_config(q: torch.Tensor, causal: bool) -> TileConfig:
+    return _lookup("bwd_dq", q)
+
+
+def preprocess_config(q: torch.Tensor) -> TileConfig:
+    return _PREPROCESS
