@@ -12,7 +12,7 @@ status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/env.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/env.txt"
+echo "commit ${TRITONATTN_COMMIT:-unknown}" | tee -a "$OUT/env.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --maxfail=25 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40

@@ -8,6 +8,7 @@ warm-up, on random inputs.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -46,11 +47,13 @@ class Shape:
 
 def environment() -> dict:
     """GPU, library versions and git commit, recorded with every row."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("TRITONATTN_COMMIT")  # set by scripts/gpu_check.sh: the device copy has no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=False).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     import triton
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
