@@ -235,7 +235,7 @@ def attention_backward(do, q, k, v, out, lse, softmax_scale: float, causal: bool
     cfg = configs.backward_dkdv_config(q, causal)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
-        Hq, Hkv, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E,
+        Hq, Hkv, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E.value,
         IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -243,7 +243,7 @@ def attention_backward(do, q, k, v, out, lse, softmax_scale: float, causal: bool
     cfg = configs.backward_dq_config(q, causal)
     _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
         q, k, v, do, lse, delta, dq, *strides, *dq.stride(),
-        Hq, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E,
+        Hq, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E.value,
         IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -110,7 +110,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, out=None):
     _fwd_kernel[grid](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Hq, Hq // Hkv, Sq, Sk, softmax_scale * LOG2E,
+        Hq, Hq // Hkv, Sq, Sk, softmax_scale * LOG2E.value,
         IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
