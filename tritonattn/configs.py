@@ -37,8 +37,16 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get full fp32 products (no silent tf32)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """Products of fp32 inputs keep fp32 accuracy (no silent tf32).
+
+    On the GPU they use "tf32x3" (each operand split in a high and a low tf32 part, three tensor
+    core products): plain "ieee" fp32 dots compile to unrolled FMA loops that took 100-200 s to
+    compile per head dim on the H200 (2026-11-29), and run far slower. The interpreter computes in
+    fp32 either way. Ignored for 16-bit operands.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreting() else "tf32x3"
 
 
 C = TileConfig
