@@ -70,5 +70,5 @@ def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scal
     g_ref = torch.autograd.grad(out_ref, ref_in, dout.double())
     g_pt = torch.autograd.grad(out_pt, pt_in, dout)
     magnitude = max(r.abs().max().item() if r.numel() else 0.0 for r in g_ref)
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g_ref, g_pt, strict=False):
         check_close(name, g, r, p, k=3, magnitude=magnitude)

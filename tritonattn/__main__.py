@@ -22,7 +22,7 @@ def _errors(q, k, v, out, lse, grads, dout, causal):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out_ref, lse_ref = attention_ref(*leaves, causal=causal)
     g_ref = torch.autograd.grad(out_ref, leaves, dout.double())
-    rows = [("out", out, out_ref), ("lse", lse, lse_ref)] + list(zip(("dq", "dk", "dv"), grads, g_ref))
+    rows = [("out", out, out_ref), ("lse", lse, lse_ref)] + list(zip(("dq", "dk", "dv"), grads, g_ref, strict=False))
     result = {}
     for name, a, r in rows:
         fin = torch.isfinite(r)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     errs = _errors(q, k, v, out, lse, grads, dout, causal)
-    print("max abs error vs fp64 reference (B=1, Hq=%d, Hkv=%d): " % (Hc, Hkvc)
+    print(f"max abs error vs fp64 reference (B=1, Hq={Hc}, Hkv={Hkvc}): "
           + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     if any(e != e for e in errs.values()):
         print("NaN in the result", file=sys.stderr)

@@ -9,7 +9,7 @@ gets zero gradients.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from tritonattn.ops import FlashAttnFunction
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-Returned = Union[torch.Tensor, tuple]
+Returned = torch.Tensor | tuple  # out, or (out, softmax_lse, S_dmask)
 
 
 def _check_tensor(name: str, t, ndim: int) -> None:
@@ -71,7 +71,8 @@ def _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes,
         raise NotImplementedError("alibi_slopes is not supported yet (attention variants)")
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -86,11 +87,11 @@ def flash_attn_func(
     k: torch.Tensor,
     v: torch.Tensor,
     dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Returned:
@@ -125,11 +126,11 @@ def flash_attn_kvpacked_func(
     q: torch.Tensor,
     kv: torch.Tensor,
     dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Returned:
@@ -150,11 +151,11 @@ def flash_attn_kvpacked_func(
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
     dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Returned:

@@ -9,7 +9,6 @@ k = 2 for out / lse, 3 for grads.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,7 @@ def attention_ref(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = False,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     upcast: bool = True,
 ):
     """Plain attention with tritonattn's semantics, materialising the S x S scores.
@@ -64,7 +63,7 @@ def random_qkv(
     device: str = "cuda",
     layout: str = "contiguous",
     requires_grad: bool = True,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ):
     """Random normal q, k, v in flash-attn layout.
 
@@ -107,7 +106,7 @@ def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 def check_close(name: str, actual: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor, k: float,
-                magnitude: Optional[float] = None) -> None:
+                magnitude: float | None = None) -> None:
     """Assert the tolerance rule: ``err(actual) <= k * err(same_dtype) + floor``, errors against
     the fp64 ``ref``; the floor is the rounding error of ``actual``'s dtype at the reference's
     magnitude, plus ``REL_FLOOR * magnitude`` (default: the largest finite ``|ref|``).

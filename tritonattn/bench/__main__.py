@@ -126,13 +126,13 @@ def plot(rows, path) -> bool:
     cols = min(3, len(panels))
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 3.8 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, panels):
+    for ax, key in zip(axes.flat, panels, strict=False):
         grid, D, dt, causal, mode = key
         for b in ALL_BACKENDS:
             pts = sorted((r["seqlen_q"], r["tflops"]) for r in rows if r["backend"] == b and r["tflops"]
                          and (r["grid"], r["head_dim"], r["dtype"], r["causal"], r["mode"]) == key)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=b, linewidth=2.5 if b == "tritonattn" else 1.2)
+                ax.plot(*zip(*pts, strict=False), marker="o", label=b, linewidth=2.5 if b == "tritonattn" else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{grid} D={D} {dt} {'causal' if causal else 'full'} {mode}", fontsize=9)
         ax.set_xlabel("sequence length")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -186,7 +186,7 @@ def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) 
     return (o.float() - ref).abs().max().item()
 
 
-def measure_shape(shape: Shape, backends, modes, env: Optional[dict] = None) -> list[dict]:
+def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> list[dict]:
     """Time every backend on one shape; a backend that cannot run the shape gets a row with its error."""
     env = env if env is not None else environment()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,7 +219,6 @@ def measure_shape(shape: Shape, backends, modes, env: Optional[dict] = None) -> 
                 fn().backward(dout)
                 torch.cuda.synchronize()
                 rows[-1]["peak_mem_gb"] = (torch.cuda.max_memory_allocated() - start) / 2**30
-            del fn, ins
         except Exception as e:  # noqa: BLE001 - a peer lacking a shape is a result, not a crash
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             for mode in modes:
@@ -246,7 +245,7 @@ def print_table(rows: list[dict], file=None) -> None:
         vals = []
         for b in backends:
             t = cell.get(b, {}).get("tflops")
-            vals.append(("-" if not t else f"{t:.1f}" if t >= 1 else f"{t:.2g}"))
+            vals.append("-" if not t else f"{t:.1f}" if t >= 1 else f"{t:.2g}")
         ours = cell.get("tritonattn", {}).get("tflops")
         peers = [cell[b]["tflops"] for b in backends if b != "tritonattn" and b != "sdpa-math"
                  and cell.get(b, {}).get("tflops")]
