@@ -54,21 +54,32 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
 
 
-def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scale=None):
-    """Check out, lse and (dq, dk, dv) against the fp64 reference with the tolerance rule."""
+def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scale=None, bias=None, dbias=None,
+                            **variants):
+    """Check out, lse, (dq, dk, dv) and dbias against the fp64 reference with the tolerance rule.
+    ``variants`` are passed to :func:`attention_ref` (window_size, softcap, alibi_slopes, mask, ...)."""
     def leaves():
-        return [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if bias is not None:
+            ts.append(bias.detach().clone().requires_grad_(dbias is not None))
+        return ts
 
     ref_in, pt_in = leaves(), leaves()
-    out_ref, lse_ref = attention_ref(*ref_in, causal=causal, softmax_scale=softmax_scale)
-    out_pt, lse_pt = attention_ref(*pt_in, causal=causal, softmax_scale=softmax_scale, upcast=False)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, **variants)
+    out_ref, lse_ref = attention_ref(*ref_in[:3], bias=ref_in[3] if bias is not None else None, **kw)
+    out_pt, lse_pt = attention_ref(*pt_in[:3], bias=pt_in[3] if bias is not None else None, upcast=False, **kw)
     check_close("out", out, out_ref, out_pt, k=2)
     if lse is not None:
         check_close("lse", lse, lse_ref, lse_pt, k=2)
     if grads is None:
         return
-    g_ref = torch.autograd.grad(out_ref, ref_in, dout.double())
-    g_pt = torch.autograd.grad(out_pt, pt_in, dout)
+    wrt = 4 if dbias is not None else 3
+    g_ref = torch.autograd.grad(out_ref, ref_in[:wrt], dout.double())
+    g_pt = torch.autograd.grad(out_pt, pt_in[:wrt], dout)
     magnitude = max(r.abs().max().item() if r.numel() else 0.0 for r in g_ref)
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, g_ref, g_pt, strict=False):
+    names = ("dq", "dk", "dv", "dbias")
+    mine = (*grads, dbias) if dbias is not None else grads
+    for name, g, r, p in zip(names, mine, g_ref, g_pt):
+        if name == "dbias":
+            assert g.shape == bias.shape and g.dtype == bias.dtype, "dbias must come back in the bias's shape and dtype"
         check_close(name, g, r, p, k=3, magnitude=magnitude)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from tritonattn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from tritonattn import attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 
 def _qkv(B=1, Sq=8, Sk=8, Hq=2, Hkv=2, D=16, dtype=torch.float16):
@@ -77,16 +77,39 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
         flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("kwargs,what", [
-    (dict(dropout_p=0.1), "dropout_p"),
-    (dict(window_size=(16, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+@pytest.mark.parametrize("kwargs,error,what", [
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size must be two integers >= -1"),
+    (dict(window_size=(4,)), ValueError, "window_size"),
+    (dict(window_size=(1.5, 2)), ValueError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite float >= 0"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "alibi_slopes must be float32"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
+    (dict(alibi_slopes=[1.0, 2.0]), TypeError, "alibi_slopes must be a torch.Tensor"),
 ])
-def test_variants_not_yet_supported(kwargs, what):
+def test_bad_variant_options(kwargs, error, what):
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=what):
+    if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):
+        kwargs = dict(alibi_slopes=kwargs["alibi_slopes"].to(DEVICE))
+    with pytest.raises(error, match=what):
         flash_attn_func(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,what", [
+    (dict(bias=torch.zeros(3, 8, 8)), ValueError, r"bias of shape \(3, 8, 8\) does not broadcast"),
+    (dict(bias=torch.zeros(8, 8, dtype=torch.int32)), TypeError, "bias has dtype torch.int32"),
+    (dict(mask=torch.ones(8, 8)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=torch.ones(2, 1, 8, 8, dtype=torch.bool)), ValueError, "mask of shape .* does not broadcast"),
+    (dict(key_padding_mask=torch.ones(1, 7, dtype=torch.bool)), ValueError, "key_padding_mask must have shape"),
+    (dict(mask=torch.ones(8, 8, dtype=torch.bool), key_padding_mask=torch.ones(1, 8, dtype=torch.bool)),
+     ValueError, "not both"),
+])
+def test_bad_mask_and_bias(kwargs, error, what):
+    q, k, v = _qkv()
+    kwargs = {n: t.to(DEVICE) for n, t in kwargs.items()}
+    with pytest.raises(error, match=what):
+        attention(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("scale", ["0.1", float("nan"), True])

@@ -7,10 +7,15 @@ the Triton interpreter (``TRITON_INTERPRET=1``, read by Triton at import) before
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = ["attention", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tritonattn.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+    from tritonattn.interface import (
+        attention,
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+    )
 
 
 def __getattr__(name: str):

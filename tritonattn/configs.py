@@ -77,6 +77,9 @@ _INTERP = {
     "bwd_dq": C(64, 32, 4, 1),
 }
 _PREPROCESS = C(64, 0, 4, 1)
+# probabilities / dBias tiles (a testing aid and the bias-gradient pass): one tile per program
+_TILE = {2: C(64, 64, 4, 2), 4: C(32, 32, 4, 1)}
+_TILE_INTERP = C(32, 64, 4, 1)
 
 _override: dict[str, TileConfig] = {}
 
@@ -121,3 +124,9 @@ def backward_dq_config(q: torch.Tensor, causal: bool) -> TileConfig:
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:
     return _PREPROCESS
+
+
+def tile_config(q: torch.Tensor) -> TileConfig:
+    if "tile" in _override:
+        return _override["tile"]
+    return _TILE[q.element_size()] if q.device.type == "cuda" else _TILE_INTERP

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.configs import interpreting
+from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 from tritonattn.ops import FlashAttnFunction
 
 MAX_HEAD_DIM = 256
@@ -59,27 +60,94 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
         )
 
 
-def _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, head_dim: int) -> float:
-    """Validate the options shared by every entry point; returns the softmax scale to use."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet (it comes with the attention variants)")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size other than (-1, -1) is not supported yet (attention variants)")
-    if softcap != 0.0:
-        raise NotImplementedError("softcap other than 0.0 is not supported yet (attention variants)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported yet (attention variants)")
+def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes) -> Variants:
+    """Validate the options shared by every entry point and turn them into kernel variants."""
+    B, Hq, D = q.shape[0], q.shape[2], q.shape[3]
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+        scale = 1.0 / math.sqrt(D)
+    elif (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
             or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    return float(softmax_scale)
+    else:
+        scale = float(softmax_scale)
+    try:
+        left, right = (int(w) for w in window_size)
+        ok = left >= -1 and right >= -1 and all(float(w) == int(w) for w in window_size)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"window_size must be two integers >= -1 (-1: unbounded), got {window_size!r}")
+    if causal:
+        right = 0  # flash-attn: causal is a window with no keys to the right of the diagonal
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+        if alibi_slopes.stride(-1) != 1:
+            alibi_slopes = alibi_slopes.contiguous()
+    var = Variants(softmax_scale=scale, win_left=left, win_right=right, softcap=float(softcap),
+                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p))
+    if dropout_p > 0:
+        # drawn from the device's default generator, so torch.manual_seed makes runs reproducible;
+        # kept on the device (the kernels load it): no host sync
+        var.seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    return var
 
 
-def _finish(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool) -> Returned:
-    # S_dmask is only meaningful with dropout; flash-attn's slot is kept for the same unpacking
-    return (out, lse, None) if return_attn_probs else out
+def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
+    """Validate the bias / mask arguments; store the masks in ``var`` (the bias goes through autograd)."""
+    B, Sq, Hq = q.shape[0], q.shape[1], q.shape[2]
+    Sk = k.shape[1]
+    full = (B, Hq, Sq, Sk)
+
+    def broadcastable(name, t):
+        if t.dim() > 4 or any(s != 1 and s != f for s, f in zip(reversed(t.shape), reversed(full))):
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (batch, nheads, seqlen_q, "
+                             f"seqlen_k) = {full}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"bias has dtype {bias.dtype}; expected a float tensor (use mask= for booleans)")
+        broadcastable("bias", bias)
+    masks = [(n, m) for n, m in (("mask", mask), ("key_padding_mask", key_padding_mask)) if m is not None]
+    if len(masks) == 2:
+        raise ValueError("give mask or key_padding_mask, not both")
+    if masks:
+        name, m = masks[0]
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(m).__name__}")
+        if m.dtype != torch.bool:
+            raise TypeError(f"{name} must be a bool tensor (True = take part), got {m.dtype}; "
+                            "an additive float mask is a bias")
+        if name == "key_padding_mask":
+            if tuple(m.shape) != (B, Sk):
+                raise ValueError(f"key_padding_mask must have shape (batch, seqlen_k) = {(B, Sk)}, "
+                                 f"got {tuple(m.shape)}")
+            m = m[:, None, None, :]
+        broadcastable(name, m)
+        m = m.expand(full).view(torch.uint8)
+        if m.stride(1) == 0 and m.stride(2) == 0:  # one boolean per key: no S x S read
+            var.mask, var.mask_kind = m[:, 0, 0, :], MASK_KEYS
+        else:
+            var.mask, var.mask_kind = m, MASK_TILE
+
+
+def _finish(out: torch.Tensor, lse: torch.Tensor, probs, return_attn_probs: bool) -> Returned:
+    return (out, lse, probs) if return_attn_probs else out
 
 
 def flash_attn_func(
@@ -101,13 +169,22 @@ def flash_attn_func(
         q: ``(batch, seqlen_q, nheads, headdim)``, float16 / bfloat16 / float32.
         k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA / MQA:
             query heads ``[g*r, (g+1)*r)`` use kv head ``g``, ``r = nheads / nheads_k``).
-        dropout_p, window_size, softcap, alibi_slopes: not supported yet; a non-default value
-            raises ``NotImplementedError``.
+        dropout_p: dropout on the attention probabilities (scaled by 1 / (1 - p)), with a real
+            backward; the keep-mask comes from Philox seeded by the device's default generator
+            (``torch.manual_seed`` makes runs reproducible) and is regenerated, never stored.
         softmax_scale: defaults to ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask (see the module docstring).
+        window_size: ``(left, right)``: query ``i`` sees keys ``j`` with
+            ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; -1 leaves a side unbounded;
+            ``causal`` sets ``right = 0``. Blocks outside the band are skipped.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds
+            ``-slope * |i + Sk - Sq - j|`` to the scores.
         deterministic: accepted for compatibility; the backward is always deterministic.
         return_attn_probs: also return ``softmax_lse`` ``(batch, nheads, seqlen_q)`` float32
-            (natural log) and ``S_dmask`` (``None`` without dropout).
+            (natural log) and ``S_dmask``: with dropout, the ``(batch, nheads, seqlen_q,
+            seqlen_k)`` probabilities, negated where dropped (a testing aid, S x S memory);
+            ``None`` without dropout, as flash-attn.
 
     Returns:
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in the input dtype, or
@@ -117,9 +194,10 @@ def flash_attn_func(
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
     _check_qkv(q, k, v)
-    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
-    out, lse = FlashAttnFunction.apply("none", scale, bool(causal), q, k, v)
-    return _finish(out, lse, return_attn_probs)
+    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return_probs = return_attn_probs and dropout_p > 0
+    out, lse, probs = FlashAttnFunction.apply("none", var, return_probs, q, k, v, None)
+    return _finish(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -143,9 +221,10 @@ def flash_attn_kvpacked_func(
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     _check_qkv(q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"))
-    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
-    out, lse = FlashAttnFunction.apply("kv", scale, bool(causal), q, kv)
-    return _finish(out, lse, return_attn_probs)
+    var = _check_options(q, kv[:, :, 0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return_probs = return_attn_probs and dropout_p > 0
+    out, lse, probs = FlashAttnFunction.apply("kv", var, return_probs, q, kv, None, None)
+    return _finish(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -167,6 +246,52 @@ def flash_attn_qkvpacked_func(
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     _check_qkv(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"))
-    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, qkv.shape[-1])
-    out, lse = FlashAttnFunction.apply("qkv", scale, bool(causal), qkv)
-    return _finish(out, lse, return_attn_probs)
+    var = _check_options(qkv[:, :, 0], qkv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes)
+    return_probs = return_attn_probs and dropout_p > 0
+    out, lse, probs = FlashAttnFunction.apply("qkv", var, return_probs, qkv, None, None, None)
+    return _finish(out, lse, probs, return_attn_probs)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> Returned:
+    """:func:`flash_attn_func` plus arbitrary masks and an additive bias with gradient.
+
+    Layout ``(batch, seqlen, nheads, headdim)`` as flash-attn. The score of query ``i`` and key
+    ``j`` is ``softcap(q_i . k_j * softmax_scale) + alibi(i, j) + bias[b, h, i, j]``; pairs outside
+    ``mask`` / ``key_padding_mask`` / the causal mask / the window take no part; a query that
+    keeps no key outputs 0 with zero gradients.
+
+    Args:
+        bias: float tensor broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``; broadcast dims
+            are read with stride 0, never expanded in memory. If it requires grad its gradient is
+            returned in its own shape and dtype (summed over the broadcast dims).
+        mask: bool tensor broadcastable the same way, True = take part (SDPA's convention).
+        key_padding_mask: bool ``(batch, seqlen_k)``, True = real key: a fast path that reads one
+            boolean per key instead of an S x S mask (a mask of shape (B, 1, 1, Sk) takes it too).
+        causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes: as
+            :func:`flash_attn_func` (causal bottom-right aligned).
+        return_lse: also return the log-sum-exp ``(batch, nheads, seqlen_q)`` float32.
+    """
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_qkv(q, k, v)
+    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
+    out, lse, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    return (out, lse) if return_lse else out

@@ -4,32 +4,44 @@ from __future__ import annotations
 
 import torch
 
-from tritonattn.kernels.bwd import attention_backward
+from tritonattn.kernels.bwd import attention_backward, attention_probs
 from tritonattn.kernels.fwd import attention_forward
+from tritonattn.kernels.variants import Variants
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """Exact attention, O(S) memory. ``packing`` says how the inputs arrive:
 
     - ``"none"``: ``(q, k, v)``;
-    - ``"kv"``: ``(q, kv)`` with kv ``(B, Sk, 2, Hkv, D)``;
-    - ``"qkv"``: ``(qkv,)`` with qkv ``(B, S, 3, H, D)``.
+    - ``"kv"``: ``(q, kv, None)`` with kv ``(B, Sk, 2, Hkv, D)``;
+    - ``"qkv"``: ``(qkv, None, None)`` with qkv ``(B, S, 3, H, D)``.
 
     Packed inputs are read as strided views and their gradient is written into one packed
-    tensor, so no concatenation copy is made in either direction.
+    tensor, so no concatenation copy is made in either direction. ``bias`` is the user's additive
+    bias (any shape broadcastable to (B, Hq, Sq, Sk)); its gradient comes back in that shape.
+    ``var`` carries the other options (its ``bias`` is filled here with the broadcast view).
+    Returns ``(out, lse, probs)``; probs (flash-attn's S_dmask) only when ``return_probs``.
     """
 
     @staticmethod
-    def forward(ctx, packing: str, softmax_scale: float, causal: bool, *tensors: torch.Tensor):
+    def forward(ctx, packing: str, var: Variants, return_probs: bool, t0, t1, t2, bias):
+        tensors = (t0, t1, t2)
         q, k, v = _unpack(packing, tensors)
-        out, lse = attention_forward(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(*tensors, out, lse)
-        ctx.packing, ctx.softmax_scale, ctx.causal = packing, softmax_scale, causal
+        if bias is not None:
+            var.bias = bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        out, lse = attention_forward(q, k, v, var)
+        probs = attention_probs(q, k, v, lse, var) if return_probs else None
+        ctx.save_for_backward(*[t for t in tensors if t is not None], out, lse)
+        ctx.packing, ctx.var = packing, var
+        ctx.bias_shape = bias.shape if bias is not None and bias.requires_grad else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        if probs is not None:
+            ctx.mark_non_differentiable(probs)
+        return out, lse, probs
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor):
+    def backward(ctx, dout: torch.Tensor, _dlse, _dprobs):
         if torch.is_grad_enabled():
             # create_graph=True: the gradients would need a graph of their own
             raise RuntimeError(
@@ -38,26 +50,29 @@ class FlashAttnFunction(torch.autograd.Function):
             )
         *tensors, out, lse = ctx.saved_tensors
         q, k, v = _unpack(ctx.packing, tensors)
+        var, bias_shape = ctx.var, ctx.bias_shape
         if ctx.packing == "qkv":
             dqkv = torch.empty_like(tensors[0])
-            attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                               dq=dqkv[:, :, 0], dk=dqkv[:, :, 1], dv=dqkv[:, :, 2])
-            grads = (dqkv,)
+            *_, dbias = attention_backward(dout, q, k, v, out, lse, var, dq=dqkv[:, :, 0], dk=dqkv[:, :, 1],
+                                           dv=dqkv[:, :, 2], bias_shape=bias_shape)
+            grads = (dqkv, None, None)
         elif ctx.packing == "kv":
             dkv = torch.empty_like(tensors[1])
-            dq, _, _ = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                          dk=dkv[:, :, 0], dv=dkv[:, :, 1])
-            grads = (dq, dkv)
+            dq, _, _, dbias = attention_backward(dout, q, k, v, out, lse, var, dk=dkv[:, :, 0], dv=dkv[:, :, 1],
+                                                 bias_shape=bias_shape)
+            grads = (dq, dkv, None)
         else:
-            grads = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-        return (None, None, None, *grads)
+            *grads, dbias = attention_backward(dout, q, k, v, out, lse, var, bias_shape=bias_shape)
+        if dbias is not None:
+            dbias = dbias.to(ctx.bias_dtype)
+        return (None, None, None, *grads, dbias)
 
 
 def _unpack(packing: str, tensors):
     if packing == "qkv":
-        (qkv,) = tensors
+        qkv = tensors[0]
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if packing == "kv":
-        q, kv = tensors
+        q, kv = tensors[0], tensors[1]
         return q, kv[:, :, 0], kv[:, :, 1]
-    return tensors
+    return tensors[:3]

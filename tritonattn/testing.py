@@ -20,39 +20,64 @@ def attention_ref(
     causal: bool = False,
     softmax_scale: float | None = None,
     upcast: bool = True,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
 ):
     """Plain attention with tritonattn's semantics, materialising the S x S scores.
 
-    q ``(B, Sq, Hq, D)``, k/v ``(B, Sk, Hkv, D)``; causal aligned bottom-right; rows that see no
-    key give 0 with lse ``-inf``. ``upcast=True`` computes in float64 (the reference);
-    ``upcast=False`` computes in the input dtype (PyTorch's own error in that dtype).
+    q ``(B, Sq, Hq, D)``, k/v ``(B, Sk, Hkv, D)``. Scores ``softcap(q.k * scale) + alibi + bias``;
+    causal / window aligned bottom-right; ``mask`` (bool, True = take part) broadcast to
+    ``(B, Hq, Sq, Sk)``; ``key_padding_mask`` ``(B, Sk)``; dropout applied with the given
+    ``dropout_mask`` (True = kept) and scaled by ``1 / (1 - dropout_p)``. Rows that keep no key
+    give 0 with lse ``-inf``. ``upcast=True`` computes in float64 (the reference);
+    ``upcast=False`` in the input dtype (PyTorch's own error in that dtype).
     Returns ``(out, lse)``: out in q's dtype (float64 when upcast), lse ``(B, Hq, Sq)``.
     """
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
-    Sq, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+        bias = bias.double() if bias is not None else None
+    B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=2)
         v = v.repeat_interleave(Hq // Hkv, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(Sq, device=q.device)[:, None]
+    cols = torch.arange(Sk, device=q.device)[None, :]
+    diag = rows + (Sk - Sq)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype).reshape(-1, Hq, 1, 1)  # (Hq,) or (B, Hq)
+        scores = scores - slopes * (diag - cols).abs().to(scores.dtype)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    left, right = window_size
     if causal:
-        rows = torch.arange(Sq, device=q.device)[:, None]
-        cols = torch.arange(Sk, device=q.device)[None, :]
-        visible = cols <= rows + (Sk - Sq)
-        empty = ~visible.any(-1, keepdim=True)
-        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
-    else:
-        empty = torch.zeros(Sq, 1, dtype=torch.bool, device=q.device) if Sk > 0 else torch.ones(
-            Sq, 1, dtype=torch.bool, device=q.device)
-    if Sk == 0:
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:1] + (Hq, Sq), float("-inf"), dtype=torch.float32 if not upcast else q.dtype,
-                         device=q.device)
-        return out, lse
-    lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1).masked_fill(empty[:, 0], float("-inf"))
+        right = 0
+    visible = torch.ones(1, 1, Sq, Sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible = visible & (cols <= diag + right)
+    if left >= 0:
+        visible = visible & (cols >= diag - left)
+    if mask is not None:
+        visible = visible & mask
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    visible = visible.expand(B, Hq, Sq, Sk)
+    empty = ~visible.any(-1, keepdim=True)
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores if upcast else scores.float(), dim=-1).masked_fill(empty[..., 0], float("-inf"))
     p = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+    if dropout_p > 0:
+        p = p.masked_fill(~dropout_mask, 0.0) / (1 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out, lse
 

@@ -1,8 +1,10 @@
-"""FlashAttention-2 backward: delta preprocess, a dK/dV kernel and a dQ kernel.
+"""FlashAttention-2 backward: delta preprocess, a dK/dV kernel, a dQ kernel, and (for a bias
+that requires grad) a dBias kernel; plus the probability kernel behind ``return_attn_probs``.
 
 No atomics: each program owns the rows of the gradient it writes, so reruns are bitwise equal.
 The dK/dV program of a kv head walks the query heads of its GQA group itself, so dK/dV sum over
-the group without an expanded K/V or a reduction pass.
+the group without an expanded K/V or a reduction pass. With dropout, dS = P * (dP * Z - delta)
+where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.
 """
 
 import torch
@@ -10,7 +12,16 @@ import triton
 import triton.language as tl
 
 from tritonattn import configs
-from tritonattn.kernels.common import LOG2E, key_range, mma, query_range, score_mask
+from tritonattn.kernels.common import (
+    LOG2E,
+    dropout_keep,
+    head_setup,
+    key_range,
+    mma,
+    query_range,
+    scores_log2,
+)
+from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
@@ -19,6 +30,25 @@ def _load_lse2(p_lse, offs_m, m_ok):
     their probabilities exp2(s - lse2) are exactly 0."""
     lse = tl.load(p_lse + offs_m, mask=m_ok, other=float("inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _grad_scores(p, dp, delta, t, seed, i, j, Sk, dropout_p,
+                 SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """From P and dP = dO V^T: ``ds`` (gradient of the final scores: dBias) and ``ds_qk`` (of the
+    raw q.k, without the softmax scale), and P with dropout applied (for dV)."""
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, i, j, Sk, dropout_p)
+        rescale = 1.0 / (1.0 - dropout_p)
+        p_drop = tl.where(keep, p * rescale, 0.0)
+        ds = p * (tl.where(keep, dp * rescale, 0.0) - delta)
+    else:
+        p_drop = p
+        ds = p * (dp - delta)
+    ds_qk = ds
+    if SOFTCAP:
+        ds_qk = ds * (1.0 - t * t)
+    return ds, ds_qk, p_drop
 
 
 @triton.jit
@@ -49,15 +79,19 @@ def _bwd_preprocess_kernel(
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     p_q, p_do, p_lse, p_delta, stride_qm, stride_dom,
-    offs_n, offs_mb, offs_d, lo, hi, Sq, Sk, qk_scale,
-    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    offs_n, offs_mb, offs_d, lo, hi, Sq, Sk,
+    qk_scale, softcap_scale, softcap_log2, slope2,
+    p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+    win_left, win_right, seed, dropout_p,
+    BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
     Works on transposed scores (keys x queries) so that dV = P^T dO and dK = dS^T Q need no
-    transpose of P. Keys past Sk are not masked outside the diagonal stage: their columns only
-    feed their own dK/dV rows, which are never stored.
+    transpose of P.
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -68,13 +102,16 @@ def _bwd_dkdv_inner(
         do = tl.load(p_do + offs_m[:, None].to(tl.int64) * stride_dom, mask=qd_ok, other=0.0)
         lse2 = _load_lse2(p_lse, offs_m, m_ok)
         delta = tl.load(p_delta + offs_m, mask=m_ok, other=0.0)
-        s_t = mma(k, tl.trans(q), None, DOT_FP32, PRECISION) * qk_scale
+        qk_t = mma(k, tl.trans(q), None, DOT_FP32, PRECISION)
+        s_t, t_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], Sq, Sk, qk_scale, softcap_scale,
+                               softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m,
+                               stride_mask_n, win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
+                               HAS_BIAS, MASK_KIND)
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        if MASK:
-            p_t = tl.where(score_mask(offs_m, offs_n, Sq, Sk, IS_CAUSAL, True), p_t, 0.0)
-        dv = mma(p_t.to(do.dtype), do, dv, DOT_FP32, PRECISION)
         dp_t = mma(v, tl.trans(do), None, DOT_FP32, PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        _, ds_t, p_t = _grad_scores(p_t, dp_t, delta[None, :], t_t, seed, offs_m[None, :], offs_n[:, None], Sk,
+                                    dropout_p, SOFTCAP, HAS_DROPOUT)
+        dv = mma(p_t.to(do.dtype), do, dv, DOT_FP32, PRECISION)
         dk = mma(ds_t.to(q.dtype), q, dk, DOT_FP32, PRECISION)
     return dk, dv
 
@@ -88,9 +125,13 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    Hq, Hkv, GROUP, Sq, Sk, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    ALIBI, stride_alibi_b, SEED, dropout_p,
+    Hq, Hkv, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -111,20 +152,42 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    lo, full_lo = query_range(start_n, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    diag_hi = tl.minimum(full_lo, Sq)
+    lo, full_lo, full_hi, hi = query_range(start_n, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N,
+                                           WIN_LEFT, WIN_RIGHT)
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
+        off_bh = off_b * Hq + off_h
         p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
         p_do = DO + off_b * stride_dob + off_h * stride_doh + offs_d[None, :] * stride_dod
-        p_lse = LSE + (off_b * Hq + off_h) * Sq
-        p_delta = DELTA + (off_b * Hq + off_h) * Sq
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom,
-                                 offs_n, offs_mb, offs_d, lo, diag_hi, Sq, Sk, qk_scale,
-                                 True, IS_CAUSAL, HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom,
-                                 offs_n, offs_mb, offs_d, full_lo, Sq, Sq, Sk, qk_scale,
-                                 False, IS_CAUSAL, HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+        p_lse = LSE + off_bh * Sq
+        p_delta = DELTA + off_bh * Sq
+        p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
+                                                  MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
+                                                  HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
+        if WIN_RIGHT:  # masked: the diagonal / the window's right edge
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+                lo, tl.minimum(full_lo, hi), Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                win_left, win_right, seed, dropout_p,
+                True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+        # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+            full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+            p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+            win_left, win_right, seed, dropout_p,
+            False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+            HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+        if WIN_LEFT:  # masked: the window's left edge
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+                tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                win_left, win_right, seed, dropout_p,
+                True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
 
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -137,25 +200,33 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     dq, q, do, lse2, delta,
     p_k, p_v, stride_kn, stride_vn,
-    offs_m, offs_nb, offs_d, lo, hi, Sq, Sk, qk_scale,
-    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    offs_m, offs_nb, offs_d, lo, hi, Sq, Sk,
+    qk_scale, softcap_scale, softcap_log2, slope2,
+    p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+    win_left, win_right, seed, dropout_p,
+    BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Accumulate dQ of one query block over the key blocks [lo, hi)."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         kv_ok = d_ok[None, :]
-        if MASK:
+        if BOUNDS:
             kv_ok = kv_ok & (offs_n[:, None] < Sk)
         k = tl.load(p_k + offs_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
         v = tl.load(p_v + offs_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
-        s = mma(q, tl.trans(k), None, DOT_FP32, PRECISION) * qk_scale
+        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+        s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
+                           slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                           win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                           MASK_KIND)
         p = tl.math.exp2(s - lse2[:, None])
-        if MASK:
-            p = tl.where(score_mask(offs_m, offs_n, Sq, Sk, IS_CAUSAL), p, 0.0)
         dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
-        ds = p * (dp - delta[:, None])
+        _, ds, _ = _grad_scores(p, dp, delta[:, None], t, seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p,
+                                SOFTCAP, HAS_DROPOUT)
         dq = mma(ds.to(k.dtype), k, dq, DOT_FP32, PRECISION)
     return dq
 
@@ -168,12 +239,16 @@ def _bwd_dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    Hq, GROUP, Sq, Sk, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    ALIBI, stride_alibi_b, SEED, dropout_p,
+    Hq, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if WIN_RIGHT else tl.program_id(0)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
@@ -194,23 +269,191 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + off_bh * Sq + offs_m, mask=m_ok, other=0.0)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
+                                              MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
+                                              HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_hi, hi = key_range(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn,
-                       offs_m, offs_nb, offs_d, 0, full_hi, Sq, Sk, qk_scale,
-                       False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn,
-                       offs_m, offs_nb, offs_d, full_hi, hi, Sq, Sk, qk_scale,
-                       True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+    lo, full_lo, full_hi, hi = key_range(start_m, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N, WIN_LEFT, WIN_RIGHT)
+    if WIN_LEFT:
+        dq = _bwd_dq_inner(
+            dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn, offs_m, offs_nb, offs_d,
+            lo, tl.minimum(full_lo, hi), Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+            p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+            win_left, win_right, seed, dropout_p,
+            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn, offs_m, offs_nb, offs_d,
+        full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+        p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+        win_left, win_right, seed, dropout_p,
+        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn, offs_m, offs_nb, offs_d,
+        tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+        p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+        win_left, win_right, seed, dropout_p,
+        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows_m * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_mask)
 
 
-def attention_backward(do, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None):
+@triton.jit
+def _tile_probs(
+    Q, K, V, DO, LSE, DELTA, off_b, off_h, off_hk, offs_m, offs_n, offs_d,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    ALIBI, stride_alibi_b, SEED, dropout_p,
+    Hq, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """P (and, WITH_GRAD, dS) of one [BLOCK_M, BLOCK_N] tile of one (batch, head), recomputed
+    from Q, K (V, dO) and the LSE. Returns (p, ds, keep)."""
+    off_bh = off_b * Hq + off_h
+    m_ok = offs_m < Sq
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
+                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    kv_ok = (offs_n[:, None] < Sk) & d_ok[None, :]
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None].to(tl.int64) * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+    p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
+                                              MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
+                                              HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
+    qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+    s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
+                       slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                       win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND)
+    lse2 = _load_lse2(LSE + off_bh * Sq, offs_m, m_ok)
+    p = tl.math.exp2(s - lse2[:, None])
+    keep = p == p  # all True
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p)
+    ds = p
+    if WITH_GRAD:
+        v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn
+                    + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        delta = tl.load(DELTA + off_bh * Sq + offs_m, mask=m_ok, other=0.0)
+        dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
+        ds, _, _ = _grad_scores(p, dp, delta[:, None], t, seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p,
+                                SOFTCAP, HAS_DROPOUT)
+    return p, ds, keep
+
+
+@triton.jit
+def _tile_kernel(
+    Q, K, V, DO, LSE, DELTA, OUT,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_on,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    ALIBI, stride_alibi_b, SEED, dropout_p,
+    Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    SUM_B, SUM_H, OUT_H,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Writes one [BLOCK_M, BLOCK_N] tile of an S x S result, for a program per (tile, out b, out h):
+
+    - WITH_GRAD=False: the attention probabilities, negated where dropout dropped them
+      (flash-attn's ``S_dmask`` convention), for ``return_attn_probs``;
+    - WITH_GRAD=True: dBias = dS summed over the SUM_B x SUM_H (batch, head) pairs that a
+      broadcast bias entry feeds, in a fixed order (deterministic, no atomics).
+
+    Tiles outside the causal / window band are written as zeros without computing.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_o = tl.program_id(2).to(tl.int64)
+    out_b = off_o // OUT_H
+    out_h = off_o % OUT_H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d = Sk - Sq
+    visible = True
+    if WIN_RIGHT:
+        visible = visible & (pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + d + win_right)
+    if WIN_LEFT:
+        visible = visible & (pid_n * BLOCK_N + BLOCK_N - 1 >= pid_m * BLOCK_M + d - win_left)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if visible:
+        for i in range(SUM_B * SUM_H):
+            off_b = out_b * SUM_B + i // SUM_H
+            off_h = out_h * SUM_H + i % SUM_H
+            p, ds, keep = _tile_probs(
+                Q, K, V, DO, LSE, DELTA, off_b, off_h, off_h // GROUP, offs_m, offs_n, offs_d,
+                stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+                stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+                BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+                MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                ALIBI, stride_alibi_b, SEED, dropout_p,
+                Hq, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+                WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+                HEAD_DIM, WITH_GRAD, DOT_FP32, PRECISION)
+            if WITH_GRAD:
+                acc += ds
+            else:
+                acc += tl.where(keep, p, -p)
+    mask = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)
+    tl.store(OUT + out_b * stride_ob + out_h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
+             + offs_n[None, :].to(tl.int64) * stride_on, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _dot_args(q):
+    return dict(DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype))
+
+
+def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h: int, with_grad: bool):
+    """Fill ``out`` ((B_out, H_out, Sq, Sk), any strides) with probabilities or dBias tiles."""
+    Sq, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cfg = configs.tile_config(q)
+    grid = (triton.cdiv(Sq, cfg.block_m), triton.cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
+    _tile_kernel[grid](
+        q, k, v, do, lse, delta, out,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(),
+        *var.kernel_args(q),
+        Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(), sum_b, sum_h, out.shape[1],
+        **var.constexprs(),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        WITH_GRAD=with_grad, **_dot_args(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def attention_probs(q, k, v, lse, var: Variants):
+    """(B, Hq, Sq, Sk) probabilities in q's dtype, negative where dropout dropped them (testing aid)."""
+    B, Sq, Hq, _ = q.shape
+    out = torch.empty((B, Hq, Sq, k.shape[1]), dtype=q.dtype, device=q.device)
+    if out.numel():
+        _launch_tiles(q, k, v, q, lse, lse, out, var, 1, 1, with_grad=False)
+    return out
+
+
+def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, dv=None, bias_shape=None):
     """Launch the backward. Gradients are written into dq/dk/dv when given (views of a packed
-    gradient, any strides), else into new tensors shaped like q/k/v. Returns (dq, dk, dv)."""
+    gradient, any strides), else into new tensors shaped like q/k/v. ``bias_shape`` (the shape of
+    the user's bias, when it requires grad) asks for dBias as well.
+
+    Returns (dq, dk, dv, dbias) with dbias float32 in ``bias_shape`` (or None).
+    """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
@@ -219,11 +462,14 @@ def attention_backward(do, q, k, v, out, lse, softmax_scale: float, causal: bool
     if q.numel() == 0 or k.numel() == 0:  # no query or no key: every gradient is 0
         for grad in (dq, dk, dv):
             grad.zero_()
-        return dq, dk, dv
+        dbias = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.float32, device=q.device)
+        return dq, dk, dv, dbias
 
     block_d = configs.padded_head_dim(D)
-    dot = dict(DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype))
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    var_args = var.kernel_args(q)
+    flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q))
+    scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     pre = configs.preprocess_config(q)
@@ -232,19 +478,36 @@ def attention_backward(do, q, k, v, out, lse, softmax_scale: float, causal: bool
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
     )
 
-    cfg = configs.backward_dkdv_config(q, causal)
+    cfg = configs.backward_dkdv_config(q, var.causal)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
-        Hq, Hkv, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E.value,
-        IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), *var_args,
+        Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+        **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    cfg = configs.backward_dq_config(q, causal)
+    cfg = configs.backward_dq_config(q, var.causal)
     _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, *strides, *dq.stride(),
-        Hq, Hq // Hkv, Sq, Sk, softmax_scale, softmax_scale * LOG2E.value,
-        IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), *var_args,
+        Hq, Hq // Hkv, Sq, Sk, *scales,
+        **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dv
+
+    dbias = None
+    if bias_shape is not None:
+        dbias = _bias_grad(q, k, v, do, lse, delta, var, bias_shape)
+    return dq, dk, dv, dbias
+
+
+def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):
+    """dBias in the bias's own (broadcast) shape: a kernel sums dS over broadcast batch / head
+    dims into (Bb, Hb, Sq, Sk); broadcast query / key dims are then summed by torch."""
+    B, Sq, Hq, _ = q.shape
+    Sk = k.shape[1]
+    shape4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    Bb, Hb = shape4[0], shape4[1]
+    buf = torch.empty((Bb, Hb, Sq, Sk), dtype=torch.float32, device=q.device)
+    _launch_tiles(q, k, v, do, lse, delta, buf, var, B // Bb, Hq // Hb, with_grad=True)
+    dims = [i for i in (2, 3) if shape4[i] == 1]
+    if dims:
+        buf = buf.sum(dim=dims, keepdim=True)
+    return buf.reshape(bias_shape)

@@ -1,10 +1,17 @@
-"""Shared @triton.jit helpers: matrix products, masks and the block ranges of causal attention.
+"""Shared @triton.jit helpers: matrix products, score variants, dropout and block ranges.
 
 Conventions used by every kernel:
-- scores live in the exp2 domain: ``s2 = (q . k) * softmax_scale * log2(e)``;
+- scores live in the exp2 domain: ``s2 = score * log2(e)`` where
+  ``score = softcap(q . k * softmax_scale) + alibi + bias``, ``-inf`` where masked;
 - the softmax log-sum-exp ``lse`` is stored in natural log, float32, shape ``(B, Hq, Sq)``;
   a row that sees no key has ``lse = -inf`` and output 0;
-- causal attention is aligned bottom-right: query row ``i`` sees key ``j`` iff ``j <= i + Sk - Sq``.
+- with ``d = Sk - Sq``, query row ``i`` sees key ``j`` iff ``j < Sk`` and
+  ``i + d - win_left <= j <= i + d + win_right``; causal is ``win_right = 0``; an unbounded side
+  has its WIN_* flag off (bottom-right alignment, as flash-attn >= 2.1).
+
+Orientation: the helpers take query indices ``i`` and key indices ``j`` already shaped to broadcast
+against the score tile, so the same code serves [BLOCK_M, BLOCK_N] tiles (forward, dQ) and the
+transposed [BLOCK_N, BLOCK_M] tiles of the dK/dV kernel.
 """
 
 import triton
@@ -30,55 +37,133 @@ def mma(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def score_mask(offs_m, offs_n, Sq, Sk, IS_CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Boolean [BLOCK_M, BLOCK_N] (or [BLOCK_N, BLOCK_M] when TRANSPOSED): which (query, key)
-    pairs take part: the key is in range and, when causal, not after the query."""
-    if TRANSPOSED:
-        n = offs_n[:, None]
-        m = offs_m[None, :]
-    else:
-        n = offs_n[None, :]
-        m = offs_m[:, None]
-    valid = n < Sk
-    if IS_CAUSAL:
-        valid = valid & (n <= m + (Sk - Sq))
-    return valid
+def tanh(x):
+    # 1 - 2 / (e^{2x} + 1): exact limits +-1 for large |x| (exp2 overflows to inf or underflows to 0)
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
-def key_range(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Key blocks a query block [start_m, start_m + BLOCK_M) must visit.
+def head_setup(off_b, off_h, off_bh,
+               BIAS, stride_bias_b, stride_bias_h, MASK, stride_mask_b, stride_mask_h,
+               ALIBI, stride_alibi_b, SEED,
+               HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr):
+    """Per (batch, query head) state of the variants: bias / mask base pointers, the ALiBi slope
+    (exp2 domain) and the dropout key. Unused ones are returned as harmless placeholders."""
+    p_bias = BIAS
+    if HAS_BIAS:
+        p_bias = BIAS + off_b * stride_bias_b + off_h * stride_bias_h
+    p_mask = MASK
+    if MASK_KIND != 0:
+        p_mask = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_alibi_b + off_h).to(tl.float32) * LOG2E
+    seed = 0
+    if HAS_DROPOUT:
+        # one Philox key per (batch, head): the counters (i * Sk + j) then only need 32 bits per head
+        seed = tl.load(SEED) + off_bh * 1000003
+    return p_bias, p_mask, slope2, seed
 
-    Returns ``(full_hi, hi)``: keys in ``[0, full_hi)`` are visible to every row of the block
-    and need no mask (full_hi is a multiple of BLOCK_N); keys in ``[full_hi, hi)`` need the mask
-    (causal diagonal and the ragged end of the keys). Blocks past ``hi`` are skipped entirely.
+
+@triton.jit
+def scores_log2(qk, i, j, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                win_left, win_right,
+                BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                MASK_KIND: tl.constexpr):
+    """Scores of a tile in the exp2 domain, ``-inf`` where masked, and the softcap's tanh (for the
+    backward; ``qk`` itself when there is no softcap).
+
+    ``qk`` is the raw q . k tile; ``i`` / ``j`` are query / key indices broadcastable to it.
+    BOUNDS applies the key-range and window (causal) masks: off for blocks every row sees in full.
+    MASK_KIND: 0 none, 1 key-padding vector (one boolean per key), 2 boolean tile.
     """
-    if IS_CAUSAL:
-        # row start_m sees keys j <= start_m + Sk - Sq; the last row sees j <= start_m + BLOCK_M - 1 + Sk - Sq
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + Sk - Sq, 0), Sk)
-        full_hi = tl.maximum(start_m + 1 + Sk - Sq, 0)
-        full_hi = tl.minimum(full_hi, Sk) // BLOCK_N * BLOCK_N
+    if SOFTCAP:
+        t = tanh(qk * softcap_scale)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope2 * tl.abs(i + (Sk - Sq) - j).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(p_bias + i.to(tl.int64) * stride_bias_m + j.to(tl.int64) * stride_bias_n,
+                    mask=(i < Sq) & (j < Sk), other=0.0)
+        s = s + b.to(tl.float32) * LOG2E
+    if BOUNDS:
+        valid = j < Sk
+        if WIN_RIGHT:
+            valid = valid & (j <= i + (Sk - Sq) + win_right)
+        if WIN_LEFT:
+            valid = valid & (j >= i + (Sk - Sq) - win_left)
+        s = tl.where(valid, s, float("-inf"))
+    if MASK_KIND == 1:
+        keep = tl.load(p_mask + j.to(tl.int64) * stride_mask_n, mask=j < Sk, other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == 2:
+        keep = tl.load(p_mask + i.to(tl.int64) * stride_mask_m + j.to(tl.int64) * stride_mask_n,
+                       mask=(i < Sq) & (j < Sk), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, i, j, Sk, dropout_p):
+    """Which probabilities survive dropout: Philox keyed by (seed, batch, head), counter i * Sk + j.
+    The forward and every backward kernel regenerate the same bits; nothing S x S is stored."""
+    return tl.rand(seed, i * Sk + j) >= dropout_p
+
+
+@triton.jit
+def key_range(start_m, Sq, Sk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """Key blocks a query block [start_m, start_m + BLOCK_M) visits, as three stages:
+
+    ``[lo, min(full_lo, hi))`` masked (left edge of the window), ``[full_lo, full_hi)`` unmasked
+    (every row sees every key), ``[max(full_hi, full_lo), hi)`` masked (diagonal / right edge and
+    the ragged end of the keys). lo, full_lo and full_hi are multiples of BLOCK_N; blocks outside
+    [lo, hi) are skipped entirely.
+    """
+    d = Sk - Sq
+    if WIN_RIGHT:
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + d + win_right, 0), Sk)
+        full_hi = tl.minimum(tl.maximum(start_m + 1 + d + win_right, 0), Sk)
     else:
         hi = Sk
-        full_hi = Sk // BLOCK_N * BLOCK_N
-    return full_hi, hi
-
-
-@triton.jit
-def query_range(start_n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Query blocks a key block [start_n, start_n + BLOCK_N) must visit (for dK/dV).
-
-    Returns ``(lo, full_lo)``: query rows in ``[lo, full_lo)`` need the causal mask, rows in
-    ``[full_lo, Sq)`` see every key of the block. Both are multiples of BLOCK_M (full_lo may pass
-    Sq). Rows past Sq need no mask: their lse is +inf, so their probabilities are 0.
-    """
-    if IS_CAUSAL:
-        # key j is seen by rows i >= j - (Sk - Sq)
-        lo = tl.maximum(start_n + Sq - Sk, 0) // BLOCK_M * BLOCK_M
-        full_lo = tl.maximum(start_n + BLOCK_N - 1 + Sq - Sk, 0)
-        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
-        full_lo = tl.maximum(full_lo, lo)
+        full_hi = Sk
+    full_hi = tl.minimum(full_hi, Sk // BLOCK_N * BLOCK_N) // BLOCK_N * BLOCK_N
+    if WIN_LEFT:
+        lo = tl.minimum(tl.maximum(start_m + d - win_left, 0), Sk) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.minimum(tl.maximum(start_m + BLOCK_M - 1 + d - win_left, 0), Sk), BLOCK_N) * BLOCK_N
     else:
         lo = 0
         full_lo = 0
-    return lo, full_lo
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_range(start_n, Sq, Sk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """Query blocks a key block [start_n, start_n + BLOCK_N) visits (for dK/dV), as three stages:
+
+    ``[lo, min(full_lo, hi))`` masked (diagonal / window's right edge), ``[full_lo, full_hi)``
+    unmasked, ``[max(full_hi, full_lo), hi)`` masked (window's left edge). lo, full_lo and full_hi
+    are multiples of BLOCK_M. Rows past Sq need no mask (their lse is +inf, their probabilities 0),
+    and keys past Sk only feed their own dK/dV rows, which are never stored.
+    """
+    d = Sk - Sq
+    if WIN_RIGHT:  # row i sees key j only if i >= j - d - win_right
+        lo = tl.minimum(tl.maximum(start_n - d - win_right, 0), Sq) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - d - win_right, 0), Sq), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        full_lo = 0
+    if WIN_LEFT:  # row i sees key j only if i <= j - d + win_left
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N - d + win_left, 0), Sq)
+        full_hi = tl.minimum(tl.maximum(start_n + 1 - d + win_left, 0), Sq) // BLOCK_M * BLOCK_M
+    else:
+        hi = Sq
+        full_hi = Sq
+    return lo, full_lo, full_hi, hi

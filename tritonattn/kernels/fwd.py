@@ -1,39 +1,47 @@
 """FlashAttention-2 forward: online softmax in the exp2 domain, writes O and the LSE."""
 
-import torch
 import triton
 import triton.language as tl
 
 from tritonattn import configs
-from tritonattn.kernels.common import LN2, LOG2E, key_range, mma, score_mask
+from tritonattn.kernels.common import LN2, dropout_keep, head_setup, key_range, mma, scores_log2
+from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     p_k, p_v, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d, lo, hi, Sq, Sk, qk_scale,
-    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    offs_m, offs_n, offs_d, lo, hi, Sq, Sk,
+    qk_scale, softcap_scale, softcap_log2, slope2,
+    p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+    win_left, win_right, seed, dropout_p,
+    BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One stage of key blocks [lo, hi). MASK=False for blocks every row sees in full."""
+    """One stage of key blocks [lo, hi). BOUNDS=False for blocks every row sees in full."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cur_n = start_n + offs_n
         kv_ok = d_ok[None, :]
-        if MASK:
+        if BOUNDS:
             kv_ok = kv_ok & (cur_n[:, None] < Sk)
         k = tl.load(p_k + cur_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
-        s = mma(q, tl.trans(k), None, DOT_FP32, PRECISION) * qk_scale
-        if MASK:
-            s = tl.where(score_mask(offs_m, cur_n, Sq, Sk, IS_CAUSAL), s, float("-inf"))
+        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+        s, _ = scores_log2(qk, offs_m[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
+                           slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                           win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                           MASK_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(dropout_keep(seed, offs_m[:, None], cur_n[None, :], Sk, dropout_p), p, 0.0)
         v = tl.load(p_v + cur_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
         m_i = m_new
@@ -47,13 +55,17 @@ def _fwd_kernel(
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
-    Hq, GROUP, Sq, Sk, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    ALIBI, stride_alibi_b, SEED, dropout_p,
+    Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # causal: the last query blocks have the most keys; launch them first for a better tail
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if WIN_RIGHT else tl.program_id(0)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
@@ -70,49 +82,72 @@ def _fwd_kernel(
     q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
+                                              MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
+                                              HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_hi, hi = key_range(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_d, 0, full_hi, Sq, Sk, qk_scale,
-                               False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_d, full_hi, hi, Sq, Sk, qk_scale,
-                               True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_FP32, PRECISION)
+    lo, full_lo, full_hi, hi = key_range(start_m, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N, WIN_LEFT, WIN_RIGHT)
+    if WIN_LEFT:  # masked: the window's left edge
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, lo, tl.minimum(full_lo, hi),
+            Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
+            p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
+            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+    # unmasked: every row sees every key
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, full_lo, full_hi,
+        Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
+        p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
+        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+    # masked: the diagonal / the window's right edge, and the ragged end of the keys
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, tl.maximum(full_hi, full_lo), hi,
+        Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
+        p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
+        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
 
     # rows that saw no key: output 0, lse -inf
     seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    l_safe = tl.where(seen, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     tl.store(LSE + off_bh * Sq + offs_m, lse, mask=m_ok)
     p_o = O + off_b * stride_ob + off_h * stride_oh + offs_d[None, :] * stride_od
     tl.store(p_o + offs_m[:, None].to(tl.int64) * stride_om, acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool, out=None):
+def attention_forward(q, k, v, var: Variants):
     """Launch the forward. q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), any strides.
 
     Returns ``(out, lse)``: out like q's shape and dtype, lse float32 (B, Hq, Sq) contiguous.
     """
+    import torch
+
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = configs.forward_config(q, causal)
+    cfg = configs.forward_config(q, var.causal)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     _fwd_kernel[grid](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Hq, Hq // Hkv, Sq, Sk, softmax_scale * LOG2E.value,
-        IS_CAUSAL=causal, HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        *var.kernel_args(q),
+        Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
+        **var.constexprs(),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
