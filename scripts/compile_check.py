@@ -1,0 +1,150 @@
+"""Compile every kernel for sm_90 on a machine without a GPU and report resources.
+
+Runs the real host launchers on CPU tensors with Triton's driver replaced by one that reports an
+sm_90 target and compiles instead of launching (``warmup``). For each compiled kernel it prints
+registers, spilled bytes and shared memory (from the cubin, via the cuobjdump that ships with
+Triton) and fails when a kernel does not compile or needs more shared memory than an H100/H200
+block may have (232448 bytes). Saves GPU time: a kernel that does not build for Hopper is found here.
+
+    python scripts/compile_check.py                 # every variant flag set, the llama shape's configs
+    python scripts/compile_check.py --all-configs   # every entry of the sm90 tile table, plain flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+SMEM_LIMIT = 232448
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+class _Sm90Driver:
+    """Just enough of a driver for JITFunction.run to compile for sm_90."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+RESULTS: list[dict] = []
+_real_run = JITFunction.run
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    t0 = time.perf_counter()
+    kernel = _real_run(self, *args, grid=grid, warmup=True, **kwargs)
+    RESULTS.append(dict(name=self.__name__, kernel=kernel, seconds=time.perf_counter() - t0,
+                        cfg={k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if k in kwargs}))
+    return kernel
+
+
+def resources(kernel) -> tuple[int, int]:
+    """(registers, spill bytes) of a compiled kernel, read from its cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, stack
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--all-configs", action="store_true")
+    p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"])
+    args = p.parse_args(argv)
+
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = _compile_only
+    from tritonattn import configs
+    from tritonattn.kernels.bwd import attention_backward, attention_probs
+    from tritonattn.kernels.fwd import attention_forward
+    from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
+
+    # the table's sm90 configs, as on a CUDA device
+    configs._lookup = lambda mode, q: configs._override.get(mode) or configs._SM90[mode][
+        (configs.padded_head_dim(q.shape[-1]), q.element_size())]
+    configs.tile_config = lambda q: configs._TILE[q.element_size()]
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+    def run(D, dtype, var, bias_grad=False, probs=False):
+        B, S, Hq, Hkv = 2, 256, 4, 2
+        q = torch.randn(B, S, Hq, D).to(dtype)
+        k = torch.randn(B, S, Hkv, D).to(dtype)
+        v = torch.randn(B, S, Hkv, D).to(dtype)
+        out, lse = attention_forward(q, k, v, var)
+        attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
+        if probs:
+            attention_probs(q, k, v, lse, var)
+
+    failures = 0
+    plans = []
+    if args.all_configs:
+        for dt in args.dtypes:
+            for D in (16, 32, 64, 128, 256):
+                for causal in (False, True):
+                    plans.append((f"D{D}-{dt}-{'causal' if causal else 'full'}", D, dtypes[dt],
+                                  dict(win_right=0 if causal else -1), {}))
+    else:
+        S = 256
+        bias = torch.randn(2, 1, S, S)
+        keys = torch.ones(2, S, dtype=torch.uint8)
+        tile = torch.ones(2, 4, S, S, dtype=torch.uint8)
+        alibi = torch.rand(4)
+        seed = torch.zeros(1, dtype=torch.int64)
+        for dt in args.dtypes:
+            base = dict(win_right=0)
+            plans += [
+                (f"plain-{dt}", 128, dtypes[dt], dict(base), {}),
+                (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
+                (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
+                (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),
+                (f"masks-{dt}", 64, dtypes[dt], dict(mask=keys, mask_kind=MASK_KEYS), {}),
+                (f"mask-tile-{dt}", 64, dtypes[dt], dict(mask=tile, mask_kind=MASK_TILE), {}),
+                (f"dropout-{dt}", 128, dtypes[dt], dict(base, dropout_p=0.1, seed=seed), dict(probs=True)),
+            ]
+    print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
+    for label, D, dtype, var_kw, run_kw in plans:
+        start = len(RESULTS)
+        try:
+            run(D, dtype, Variants(softmax_scale=D ** -0.5, **var_kw), **run_kw)
+        except Exception as e:  # noqa: BLE001
+            failures += 1
+            print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        for r in RESULTS[start:]:
+            regs, spill = resources(r["kernel"])
+            smem = r["kernel"].metadata.shared
+            cfg = " ".join(f"{k}={v}" for k, v in r["cfg"].items())
+            flag = "  <-- over the shared-memory limit" if smem > SMEM_LIMIT else ("  <-- spills" if spill else "")
+            failures += smem > SMEM_LIMIT
+            print(f"{label:28} {r['name']:24} {cfg:34} {regs:5d} {spill:6d} {smem:7d} {r['seconds']:9.1f}{flag}",
+                  flush=True)
+    print(f"\n{len(RESULTS)} kernels compiled for sm_90, {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
