@@ -39,6 +39,15 @@ def test_tiny_grid_end_to_end(tmp_path, capsys):
     assert "| B1-H2/1-S40-D64-causal-fp16 | bwd |" in capsys.readouterr().out
 
 
+def test_variant_backends_report_their_cost(tmp_path, capsys):
+    rc = main(["--grid", "tiny", "--seqlens", "40", "--causal", "yes", "--modes", "fwd", "--out", str(tmp_path),
+               "--backends", "tritonattn", "tritonattn+window256", "tritonattn+bias-grad", "tritonattn+dropout"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for variant in ("tritonattn+window256", "tritonattn+bias-grad", "tritonattn+dropout"):
+        assert f"| {variant} |" in out  # a row of the time-ratio table
+
+
 def test_main_job(capsys):
     from tritonattn.__main__ import main as run_main
 

@@ -72,3 +72,54 @@ def test_deterministic_at_scale():
         again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         for a, b in zip(first, again, strict=False):
             assert torch.equal(a, b)
+
+
+VARIANT_CASES = [
+    # (name, B, S, Hq, Hkv, D, kwargs for attention())
+    ("window256-causal", 1, 4096, 8, 2, 128, dict(causal=True, window_size=(256, -1))),
+    ("window-both-sides", 1, 3000, 4, 4, 64, dict(window_size=(100, 37))),
+    ("softcap-alibi", 2, 2048, 8, 2, 128, dict(causal=True, softcap=30.0, alibi="H")),
+    ("bias-B1SS-grad", 2, 1024, 8, 2, 128, dict(causal=True, bias="B1SS")),
+    ("bias-full-grad-D96", 1, 1000, 4, 1, 96, dict(bias="BHSS")),
+    ("key-padding", 2, 2048, 8, 2, 128, dict(causal=True, keypad=True)),
+    ("mask-tile", 1, 1500, 4, 2, 64, dict(mask=True)),
+    ("dropout", 2, 1024, 8, 2, 128, dict(causal=True, dropout_p=0.15)),
+    ("combined-D80", 1, 1531, 6, 2, 80, dict(causal=True, window_size=(300, -1), softcap=20.0, alibi="H",
+                                             bias="B1SS", dropout_p=0.1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,B,S,Hq,Hkv,D,kw", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_variants_on_gpu(name, B, S, Hq, Hkv, D, kw, dtype, poison):
+    from tritonattn import attention
+
+    torch.manual_seed(S + D)
+    q, k, v = random_qkv(B, S, S, Hq, Hkv, D, dtype, DEVICE)
+    kw = dict(kw)
+    ref_kw = {key: kw[key] for key in ("window_size", "softcap") if key in kw}
+    bias = None
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = ref_kw["alibi_slopes"] = torch.rand(Hq, device=DEVICE)
+    shape = {"B1SS": (B, 1, S, S), "BHSS": (B, Hq, S, S)}.get(kw.pop("bias", None))
+    if shape:
+        bias = kw["bias"] = torch.randn(shape, device=DEVICE, dtype=dtype).requires_grad_()
+    if kw.pop("keypad", None):
+        kpm = torch.rand(B, S, device=DEVICE) > 0.2
+        kw["key_padding_mask"] = ref_kw["key_padding_mask"] = kpm
+    if kw.pop("mask", None):
+        kw["mask"] = ref_kw["mask"] = torch.rand(B, 1, S, S, device=DEVICE) > 0.5
+    if kw.get("dropout_p"):
+        # the keep pattern depends only on the seed and position: flash_attn_func's S_dmask gives it
+        torch.manual_seed(7)
+        fa_kw = {key: kw[key] for key in ("causal", "window_size", "softcap", "alibi_slopes") if key in kw}
+        _, _, s_dmask = flash_attn_func(q, k, v, dropout_p=kw["dropout_p"], return_attn_probs=True, **fa_kw)
+        ref_kw.update(dropout_p=kw["dropout_p"], dropout_mask=s_dmask >= 0)
+        del s_dmask
+        torch.manual_seed(7)
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    wrt = (q, k, v, bias) if bias is not None else (q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, wrt, dout)
+    check_against_reference(q, k, v, out, lse, grads[:3], dout, kw.get("causal", False), bias=bias,
+                            dbias=grads[3] if bias is not None else None, **ref_kw)

@@ -8,6 +8,9 @@ Grids (``--grid``, several allowed):
   table form (forward in microseconds, forward+backward in milliseconds);
 - ``tiny``: a small grid that runs under the Triton interpreter without a GPU (what CI runs).
 
+Variant backends (``--backends tritonattn tritonattn+dropout tritonattn+bias-grad
+tritonattn+window256 ...``) report their cost as a time ratio to plain tritonattn.
+
 Writes a long-format CSV (one row per shape, backend and mode), a markdown table on stdout
 (TFLOP/s and the ratio to the best peer) and PNG plots (TFLOP/s vs sequence length).
 """
@@ -34,6 +37,7 @@ from tritonattn.bench.runner import (  # noqa: E402
     environment,
     measure_shape,
     print_table,
+    print_variant_costs,
 )
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -162,9 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for results.csv and plots (default: benchmarks/results/<date>)")
     args = p.parse_args(argv)
 
-    if not on_gpu and args.backends != ["tritonattn"]:
-        print("no GPU: only tritonattn runs (under the Triton interpreter)", file=sys.stderr)
-        args.backends = ["tritonattn"]
+    if not on_gpu and any(not b.startswith("tritonattn") for b in args.backends):
+        print("no GPU: only tritonattn and its variants run (under the Triton interpreter)", file=sys.stderr)
+        args.backends = [b for b in args.backends if b.startswith("tritonattn")] or ["tritonattn"]
     causal = None if args.causal is None else args.causal == "yes"
     shapes = [s for g in args.grid for s in grid_shapes(g, args.seqlens, args.dtypes, causal)]
     env = environment()
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
     for shape in shapes:
         got = measure_shape(shape, args.backends, args.modes, env)
         rows += got
-        summary = " ".join(f"{r['backend']}:{r['mode']}={r['tflops']:.0f}" for r in got if r["tflops"])
+        summary = " ".join(f"{r['backend']}:{r['mode']}={r['tflops']:.3g}" for r in got if r["tflops"])
         print(f"  {shape.label()}: {summary}", file=sys.stderr, flush=True)
 
     out = args.out or os.path.join("benchmarks", "results", str(datetime.date.today()))
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
     write_csv(rows, os.path.join(out, "results.csv"))
     print_table([r for r in rows if r["grid"] != "seed004"])
     print_seed004(rows)
+    print_variant_costs(rows)
     failures = sorted({(r["backend"], r["note"]) for r in rows if r["ms"] is None})
     for backend, note in failures:
         print(f"- {backend} could not run some shapes: {note}")

@@ -17,7 +17,16 @@ import torch
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
-ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math"]
+# tritonattn with one variant on: their cost is reported as a ratio to plain tritonattn (same FLOPs counted)
+VARIANTS = {
+    "tritonattn+dropout": dict(dropout_p=0.1),
+    "tritonattn+bias-grad": dict(bias="B1SS"),  # a (B, 1, Sq, Sk) bias that requires grad
+    "tritonattn+window256": dict(window_size=(256, -1)),
+    "tritonattn+softcap": dict(softcap=30.0),
+    "tritonattn+alibi": dict(alibi_slopes="H"),
+    "tritonattn+keypad": dict(key_padding_mask="BS"),
+}
+ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]
 
 
@@ -108,6 +117,22 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
         q, k, v = randn(B, Sq, Hq, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
         ins = [t.requires_grad_() for t in (q, k, v)]
         return (lambda: flash_attn_func(*ins, causal=shape.causal)), ins, ""
+    if backend in VARIANTS:
+        from tritonattn import attention
+
+        q, k, v = randn(B, Sq, Hq, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
+        ins = [t.requires_grad_() for t in (q, k, v)]
+        kw = dict(VARIANTS[backend])
+        if kw.get("bias") == "B1SS":
+            kw["bias"] = randn(B, 1, Sq, Sk).requires_grad_()
+            ins.append(kw["bias"])
+        if kw.get("alibi_slopes") == "H":
+            kw["alibi_slopes"] = torch.rand(Hq, device=device)
+        if kw.get("key_padding_mask") == "BS":
+            kpm = torch.ones(B, Sk, dtype=torch.bool, device=device)
+            kpm[:, Sk - Sk // 8:] = False  # the last eighth of the keys is padding
+            kw["key_padding_mask"] = kpm
+        return (lambda: attention(q, k, v, causal=shape.causal, **kw)), ins, ""
 
     # PyTorch peers take (B, H, S, D)
     q, k, v = randn(B, Hq, Sq, D), randn(B, Hkv, Sk, D), randn(B, Hkv, Sk, D)
@@ -199,7 +224,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
                 torch.cuda.empty_cache()
             fn, ins, note = make_callable(backend, shape, device)
             out = fn()
-            err = _out_error(out, ins, shape, backend == "tritonattn")
+            # variants compute another function than plain attention: no error figure for them
+            err = None if backend in VARIANTS else _out_error(out, ins, shape, backend == "tritonattn")
             dout = torch.randn_like(out)
             for mode in modes:
                 if mode == "fwd":
@@ -247,7 +273,24 @@ def print_table(rows: list[dict], file=None) -> None:
             t = cell.get(b, {}).get("tflops")
             vals.append("-" if not t else f"{t:.1f}" if t >= 1 else f"{t:.2g}")
         ours = cell.get("tritonattn", {}).get("tflops")
-        peers = [cell[b]["tflops"] for b in backends if b != "tritonattn" and b != "sdpa-math"
-                 and cell.get(b, {}).get("tflops")]
+        peers = [cell[b]["tflops"] for b in backends if b in PEERS and cell.get(b, {}).get("tflops")]
         ratio = f"{ours / max(peers):.2f}x" if ours and peers else "-"
         print(f"| {shape} | {mode} | " + " | ".join(vals) + f" | {ratio} |", file=file)
+
+
+def print_variant_costs(rows: list[dict], file=None) -> None:
+    """Time of each tritonattn variant as a ratio to plain tritonattn on the same shape and mode."""
+    import sys
+
+    file = file or sys.stdout
+    sel = [r for r in rows if r["backend"] in VARIANTS and r["ms"]]
+    if not sel:
+        return
+    print("\n| shape | mode | variant | ms | plain ms | time ratio to plain |", file=file)
+    print("|---|---|---|---|---|---|", file=file)
+    for r in sel:
+        plain = next((p for p in rows if p["backend"] == "tritonattn" and p["shape"] == r["shape"]
+                      and p["mode"] == r["mode"] and p["ms"]), None)
+        if plain:
+            print(f"| {r['shape']} | {r['mode']} | {r['backend']} | {r['ms']:.3f} | {plain['ms']:.3f} | "
+                  f"{r['ms'] / plain['ms']:.2f}x |", file=file)
