@@ -89,11 +89,15 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False):
+    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False):
         B, S, Hq, Hkv = 2, 256, 4, 2
-        q = torch.randn(B, S, Hq, D).to(dtype)
-        k = torch.randn(B, S, Hkv, D).to(dtype)
-        v = torch.randn(B, S, Hkv, D).to(dtype)
+        shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, S, Hq, D), (B, S, Hkv, D))
+        if varlen:
+            var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+            var.max_seqlen_q = var.max_seqlen_k = S
+        q = torch.randn(shape_q).to(dtype)
+        k = torch.randn(shape_k).to(dtype)
+        v = torch.randn(shape_k).to(dtype)
         out, lse = attention_forward(q, k, v, var)
         attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         if probs:
@@ -124,6 +128,9 @@ def main(argv=None) -> int:
                 (f"masks-{dt}", 64, dtypes[dt], dict(mask=keys, mask_kind=MASK_KEYS), {}),
                 (f"mask-tile-{dt}", 64, dtypes[dt], dict(mask=tile, mask_kind=MASK_TILE), {}),
                 (f"dropout-{dt}", 128, dtypes[dt], dict(base, dropout_p=0.1, seed=seed), dict(probs=True)),
+                (f"varlen-{dt}", 128, dtypes[dt], dict(base), dict(varlen=True)),
+                (f"varlen-dropout-{dt}", 64, dtypes[dt], dict(win_left=32, dropout_p=0.1, seed=seed),
+                 dict(varlen=True, probs=True)),
             ]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
     for label, D, dtype, var_kw, run_kw in plans:

@@ -7,7 +7,15 @@ the Triton interpreter (``TRITON_INTERPRET=1``, read by Triton at import) before
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["attention", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from tritonattn.interface import (
@@ -15,6 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
         flash_attn_func,
         flash_attn_kvpacked_func,
         flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
     )
 
 

@@ -9,6 +9,7 @@ gets zero gradients.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -61,9 +62,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
 
 
 def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes) -> Variants:
-    """Validate the options shared by every entry point and turn them into kernel variants."""
-    B, Hq, D = q.shape[0], q.shape[2], q.shape[3]
+                   alibi_slopes, batch: int | None = None) -> Variants:
+    """Validate the options shared by every entry point and turn them into kernel variants.
+    q / k in (B, S, H, D); ``batch`` overrides B (variable length)."""
+    B, Hq, D = q.shape[0] if batch is None else batch, q.shape[2], q.shape[3]
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
@@ -295,3 +297,153 @@ def attention(
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
     out, lse, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
     return (out, lse) if return_lse else out
+
+
+def _debug_checks() -> bool:
+    """Checks that need a device sync (cu_seqlens contents) run on CPU tensors always, and on CUDA
+    tensors only with TRITONATTN_DEBUG=1."""
+    return os.environ.get("TRITONATTN_DEBUG", "0") not in ("", "0")
+
+
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    pairs = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+             ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k))
+    for name, cu, _, max_name, max_len in pairs:
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+            raise ValueError(f"{max_name} must be an int >= 0, got {max_len!r}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.shape[0] - 1} and "
+                         f"{cu_seqlens_k.shape[0] - 1} sequences")
+    if not (q.device.type == "cpu" or _debug_checks()):
+        return
+    for name, cu, total, max_name, max_len in pairs:
+        lens = cu[1:] - cu[:-1]
+        if cu[0].item() != 0 or bool((lens < 0).any()):
+            raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()}")
+        if cu[-1].item() != total:
+            raise ValueError(f"{name}[-1] = {cu[-1].item()} but the packed tensor holds {total} tokens")
+        longest = int(lens.max().item())
+        if longest > max_len:
+            raise ValueError(f"{name} has a sequence of {longest} tokens, longer than {max_name} = {max_len}")
+
+
+def _varlen_call(packing, var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
+                 block_table, tensors):
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV) is not supported by the varlen functions yet")
+    var.cu_seqlens_q, var.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+    var.max_seqlen_q, var.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    return_probs = return_attn_probs and var.dropout_p > 0
+    out, lse, probs = FlashAttnFunction.apply(packing, var, return_probs, *tensors, None)
+    return _finish(out, lse, probs, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> Returned:
+    """Attention over a batch of sequences of different lengths packed along the tokens.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, the cumulative lengths (sequence ``b``
+            is rows ``cu[b]:cu[b + 1]``); empty sequences are allowed. Their contents are checked
+            on CPU tensors, and on CUDA tensors with ``TRITONATTN_DEBUG=1`` (a device sync).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (size the launch grid).
+        The other arguments as :func:`flash_attn_func`; each sequence gives exactly what the
+        dense call gives on that sequence alone (causal bottom-right within each sequence).
+
+    Returns:
+        ``out`` ``(total_q, nheads, headdim)``, or ``(out, softmax_lse, S_dmask)`` with lse
+        ``(nheads, total_q)`` float32 and S_dmask ``(batch, nheads, max_seqlen_q, max_seqlen_k)``
+        with dropout (``None`` without).
+    """
+    _check_tensor("q", q, 3)
+    _check_tensor("k", k, 3)
+    _check_tensor("v", v, 3)
+    _check_qkv(q[None], k[None], v[None])
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         batch=cu_seqlens_q.shape[0] - 1)
+    return _varlen_call("none", var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        return_attn_probs, block_table, (q, k, v))
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Returned:
+    """As :func:`flash_attn_varlen_func` with ``kv`` ``(total_k, 2, nheads_k, headdim)``; the
+    gradient of ``kv`` is written packed."""
+    _check_tensor("q", q, 3)
+    _check_tensor("kv", kv, 4)
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    k, v = kv[:, 0], kv[:, 1]
+    _check_qkv(q[None], k[None], v[None], names=("q", "kv", "kv"))
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         batch=cu_seqlens_q.shape[0] - 1)
+    return _varlen_call("kv", var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        return_attn_probs, None, (q, kv, None))
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Returned:
+    """As :func:`flash_attn_varlen_func` with ``qkv`` ``(total, 3, nheads, headdim)`` and one
+    ``cu_seqlens`` / ``max_seqlen`` for queries and keys; the gradient of ``qkv`` is written packed."""
+    _check_tensor("qkv", qkv, 4)
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    _check_qkv(q[None], k[None], v[None], names=("qkv", "qkv", "qkv"))
+    _check_varlen(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         batch=cu_seqlens.shape[0] - 1)
+    return _varlen_call("qkv", var, q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
+                        None, (qkv, None, None))

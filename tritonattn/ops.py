@@ -13,8 +13,8 @@ class FlashAttnFunction(torch.autograd.Function):
     """Exact attention, O(S) memory. ``packing`` says how the inputs arrive:
 
     - ``"none"``: ``(q, k, v)``;
-    - ``"kv"``: ``(q, kv, None)`` with kv ``(B, Sk, 2, Hkv, D)``;
-    - ``"qkv"``: ``(qkv, None, None)`` with qkv ``(B, S, 3, H, D)``.
+    - ``"kv"``: ``(q, kv, None)`` with kv ``(B, Sk, 2, Hkv, D)`` (varlen: ``(total_k, 2, Hkv, D)``);
+    - ``"qkv"``: ``(qkv, None, None)`` with qkv ``(B, S, 3, H, D)`` (varlen: ``(total, 3, H, D)``).
 
     Packed inputs are read as strided views and their gradient is written into one packed
     tensor, so no concatenation copy is made in either direction. ``bias`` is the user's additive
@@ -53,13 +53,13 @@ class FlashAttnFunction(torch.autograd.Function):
         var, bias_shape = ctx.var, ctx.bias_shape
         if ctx.packing == "qkv":
             dqkv = torch.empty_like(tensors[0])
-            *_, dbias = attention_backward(dout, q, k, v, out, lse, var, dq=dqkv[:, :, 0], dk=dqkv[:, :, 1],
-                                           dv=dqkv[:, :, 2], bias_shape=bias_shape)
+            *_, dbias = attention_backward(dout, q, k, v, out, lse, var, dq=dqkv.select(-3, 0),
+                                           dk=dqkv.select(-3, 1), dv=dqkv.select(-3, 2), bias_shape=bias_shape)
             grads = (dqkv, None, None)
         elif ctx.packing == "kv":
             dkv = torch.empty_like(tensors[1])
-            dq, _, _, dbias = attention_backward(dout, q, k, v, out, lse, var, dk=dkv[:, :, 0], dv=dkv[:, :, 1],
-                                                 bias_shape=bias_shape)
+            dq, _, _, dbias = attention_backward(dout, q, k, v, out, lse, var, dk=dkv.select(-3, 0),
+                                                 dv=dkv.select(-3, 1), bias_shape=bias_shape)
             grads = (dq, dkv, None)
         else:
             *grads, dbias = attention_backward(dout, q, k, v, out, lse, var, bias_shape=bias_shape)
@@ -69,10 +69,11 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 def _unpack(packing: str, tensors):
+    # the packing dim is the third from the end: (B, S, 3, H, D) dense, (total, 3, H, D) varlen
     if packing == "qkv":
         qkv = tensors[0]
-        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return qkv.select(-3, 0), qkv.select(-3, 1), qkv.select(-3, 2)
     if packing == "kv":
         q, kv = tensors[0], tensors[1]
-        return q, kv[:, :, 0], kv[:, :, 1]
+        return q, kv.select(-3, 0), kv.select(-3, 1)
     return tensors[:3]

@@ -20,6 +20,7 @@ from tritonattn.kernels.common import (
     mma,
     query_range,
     scores_log2,
+    seq_bounds,
 )
 from tritonattn.kernels.variants import Variants
 
@@ -56,13 +57,17 @@ def _bwd_preprocess_kernel(
     O, DO, DELTA,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_dob, stride_dom, stride_doh, stride_dod,
-    Hq, Sq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    CU_Q, stride_lse_b, stride_lse_h, Hq, Sq,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O), float32 (B, Hq, Sq)."""
+    """delta = rowsum(dO * O), float32, laid out like the lse."""
     off_bh = tl.program_id(1).to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
+    q_start, Sq, _, _ = seq_bounds(CU_Q, CU_Q, off_b, Sq, Sq, IS_VARLEN)
+    O += q_start * stride_om
+    DO += q_start * stride_dom
+    DELTA += off_b * stride_lse_b + off_h * stride_lse_h + q_start
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
@@ -72,7 +77,7 @@ def _bwd_preprocess_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + off_bh * Sq + offs_m, delta, mask=offs_m < Sq)
+    tl.store(DELTA + offs_m, delta, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -128,9 +133,10 @@ def _bwd_dkdv_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h,
     Hq, Hkv, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -140,6 +146,16 @@ def _bwd_dkdv_kernel(
     off_hk = off_bhk % Hkv
 
     start_n = pid_n * BLOCK_N
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+    if IS_VARLEN:
+        if start_n >= Sk:  # past this sequence's end (the grid covers max_seqlen_k)
+            return
+    Q += q_start * stride_qm
+    DO += q_start * stride_dom
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    DK += k_start * stride_dkn
+    DV += k_start * stride_dvn
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -159,8 +175,8 @@ def _bwd_dkdv_kernel(
         off_bh = off_b * Hq + off_h
         p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
         p_do = DO + off_b * stride_dob + off_h * stride_doh + offs_d[None, :] * stride_dod
-        p_lse = LSE + off_bh * Sq
-        p_delta = DELTA + off_bh * Sq
+        p_lse = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
+        p_delta = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                                   MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                                   HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
@@ -242,9 +258,10 @@ def _bwd_dq_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -255,6 +272,17 @@ def _bwd_dq_kernel(
     off_hk = off_h // GROUP
 
     start_m = pid_m * BLOCK_M
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= Sq:
+            return
+    Q += q_start * stride_qm
+    DO += q_start * stride_dom
+    DQ += q_start * stride_dqm
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    LSE += off_b * stride_lse_b + off_h * stride_lse_h + q_start
+    DELTA += off_b * stride_lse_b + off_h * stride_lse_h + q_start
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -265,8 +293,8 @@ def _bwd_dq_kernel(
                 mask=qd_mask, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows_m * stride_dom + offs_d[None, :] * stride_dod,
                  mask=qd_mask, other=0.0)
-    lse2 = _load_lse2(LSE + off_bh * Sq, offs_m, m_ok)
-    delta = tl.load(DELTA + off_bh * Sq + offs_m, mask=m_ok, other=0.0)
+    lse2 = _load_lse2(LSE, offs_m, m_ok)
+    delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -334,7 +362,7 @@ def _tile_probs(
     s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                        slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                        win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND)
-    lse2 = _load_lse2(LSE + off_bh * Sq, offs_m, m_ok)
+    lse2 = _load_lse2(LSE, offs_m, m_ok)
     p = tl.math.exp2(s - lse2[:, None])
     keep = p == p  # all True
     if HAS_DROPOUT:
@@ -345,7 +373,7 @@ def _tile_probs(
                     + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
         do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom
                      + offs_d[None, :] * stride_dod, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        delta = tl.load(DELTA + off_bh * Sq + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
         dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
         ds, _, _ = _grad_scores(p, dp, delta[:, None], t, seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p,
                                 SOFTCAP, HAS_DROPOUT)
@@ -363,10 +391,11 @@ def _tile_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     SUM_B, SUM_H, OUT_H,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -387,6 +416,8 @@ def _tile_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    # variable length: only probabilities (no bias), one (batch, head) per program
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, out_b, Sq, Sk, IS_VARLEN)
     d = Sk - Sq
     visible = True
     if WIN_RIGHT:
@@ -398,8 +429,10 @@ def _tile_kernel(
         for i in range(SUM_B * SUM_H):
             off_b = out_b * SUM_B + i // SUM_H
             off_h = out_h * SUM_H + i % SUM_H
+            lse_off = off_b * stride_lse_b + off_h * stride_lse_h + q_start
             p, ds, keep = _tile_probs(
-                Q, K, V, DO, LSE, DELTA, off_b, off_h, off_h // GROUP, offs_m, offs_n, offs_d,
+                Q + q_start * stride_qm, K + k_start * stride_kn, V + k_start * stride_vn, DO + q_start * stride_dom,
+                LSE + lse_off, DELTA + lse_off, off_b, off_h, off_h // GROUP, offs_m, offs_n, offs_d,
                 stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
                 stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
                 BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
@@ -423,14 +456,13 @@ def _dot_args(q):
 
 def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h: int, with_grad: bool):
     """Fill ``out`` ((B_out, H_out, Sq, Sk), any strides) with probabilities or dBias tiles."""
-    Sq, Hq, D = q.shape[1], q.shape[2], q.shape[3]
-    Sk, Hkv = k.shape[1], k.shape[2]
+    _, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     cfg = configs.tile_config(q)
     grid = (triton.cdiv(Sq, cfg.block_m), triton.cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
     _tile_kernel[grid](
         q, k, v, do, lse, delta, out,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *out.stride(),
-        *var.kernel_args(q),
+        *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
+        *var.kernel_args(q), *var.seq_args(q, lse),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(), sum_b, sum_h, out.shape[1],
         **var.constexprs(),
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -439,9 +471,11 @@ def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h
 
 
 def attention_probs(q, k, v, lse, var: Variants):
-    """(B, Hq, Sq, Sk) probabilities in q's dtype, negative where dropout dropped them (testing aid)."""
-    B, Sq, Hq, _ = q.shape
-    out = torch.empty((B, Hq, Sq, k.shape[1]), dtype=q.dtype, device=q.device)
+    """(B, Hq, Sq, Sk) probabilities in q's dtype, negative where dropout dropped them (testing aid).
+    Variable length: (B, Hq, max_seqlen_q, max_seqlen_k), zero past each sequence's end."""
+    B, Sq, Sk, Hq, _, _ = var.dims(q, k)
+    alloc = torch.zeros if var.varlen else torch.empty
+    out = alloc((B, Hq, Sq, Sk), dtype=q.dtype, device=q.device)
     if out.numel():
         _launch_tiles(q, k, v, q, lse, lse, out, var, 1, 1, with_grad=False)
     return out
@@ -450,44 +484,49 @@ def attention_probs(q, k, v, lse, var: Variants):
 def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, dv=None, bias_shape=None):
     """Launch the backward. Gradients are written into dq/dk/dv when given (views of a packed
     gradient, any strides), else into new tensors shaped like q/k/v. ``bias_shape`` (the shape of
-    the user's bias, when it requires grad) asks for dBias as well.
+    the user's bias, when it requires grad) asks for dBias as well. Layouts as attention_forward.
 
     Returns (dq, dk, dv, dbias) with dbias float32 in ``bias_shape`` (or None).
     """
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
-    if q.numel() == 0 or k.numel() == 0:  # no query or no key: every gradient is 0
+    if q.numel() == 0 or k.numel() == 0 or Sq == 0 or Sk == 0:  # no query or no key: every gradient is 0
         for grad in (dq, dk, dv):
             grad.zero_()
         dbias = None if bias_shape is None else torch.zeros(bias_shape, dtype=torch.float32, device=q.device)
         return dq, dk, dv, dbias
+    if var.varlen:
+        # rows of k / v that belong to no sequence (total_k past cu_seqlens_k[-1]) get no program
+        dk.zero_()
+        dv.zero_()
+        dq.zero_()
 
     block_d = configs.padded_head_dim(D)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    var_args = var.kernel_args(q)
+    strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
+    var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
     flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q))
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
-    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
     pre = configs.preprocess_config(q)
     _bwd_preprocess_kernel[(triton.cdiv(Sq, pre.block_m), B * Hq)](
-        out, do, delta, *out.stride(), *do.stride(), Hq, Sq,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
+        out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
+        IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
     )
 
     cfg = configs.backward_dkdv_config(q, var.causal)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), *var_args,
+        q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv), *var_args,
         Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
         **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     cfg = configs.backward_dq_config(q, var.causal)
     _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), *var_args,
+        q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
         Hq, Hq // Hkv, Sq, Sk, *scales,
         **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -501,8 +540,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):
     """dBias in the bias's own (broadcast) shape: a kernel sums dS over broadcast batch / head
     dims into (Bb, Hb, Sq, Sk); broadcast query / key dims are then summed by torch."""
-    B, Sq, Hq, _ = q.shape
-    Sk = k.shape[1]
+    B, Sq, Sk, Hq, _, _ = var.dims(q, k)
     shape4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
     Bb, Hb = shape4[0], shape4[1]
     buf = torch.empty((Bb, Hb, Sq, Sk), dtype=torch.float32, device=q.device)

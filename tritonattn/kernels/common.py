@@ -117,6 +117,24 @@ def dropout_keep(seed, i, j, Sk, dropout_p):
 
 
 @triton.jit
+def seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN: tl.constexpr):
+    """Where batch row ``off_b`` starts in the token dimension and how long it is.
+
+    Dense inputs: (0, Sq, 0, Sk). Variable length (``cu_seqlens``, int32 (B + 1,)): the row's slice
+    of the packed ``(total, H, D)`` tensors."""
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:  # one return statement: the compiler wants one return type
+        q_start = tl.load(CU_Q + off_b)
+        k_start = tl.load(CU_K + off_b)
+        Sq = tl.load(CU_Q + off_b + 1) - q_start
+        Sk = tl.load(CU_K + off_b + 1) - k_start
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    return q_start, Sq, k_start, Sk
+
+
+@triton.jit
 def key_range(start_m, Sq, Sk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
     """Key blocks a query block [start_m, start_m + BLOCK_M) visits, as three stages:

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from tritonattn import configs
-from tritonattn.kernels.common import LN2, dropout_keep, head_setup, key_range, mma, scores_log2
+from tritonattn.kernels.common import LN2, dropout_keep, head_setup, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels.variants import Variants
 
 
@@ -58,9 +58,10 @@ def _fwd_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -72,6 +73,15 @@ def _fwd_kernel(
     off_hk = off_h // GROUP
 
     start_m = pid_m * BLOCK_M
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= Sq:  # past this sequence's end (the grid covers max_seqlen_q)
+            return
+    Q += q_start * stride_qm
+    O += q_start * stride_om
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    LSE += off_b * stride_lse_b + off_h * stride_lse_h + q_start
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -120,31 +130,34 @@ def _fwd_kernel(
     if HAS_DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-    tl.store(LSE + off_bh * Sq + offs_m, lse, mask=m_ok)
+    tl.store(LSE + offs_m, lse, mask=m_ok)
     p_o = O + off_b * stride_ob + off_h * stride_oh + offs_d[None, :] * stride_od
     tl.store(p_o + offs_m[:, None].to(tl.int64) * stride_om, acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
 
 def attention_forward(q, k, v, var: Variants):
-    """Launch the forward. q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), any strides.
+    """Launch the forward. Dense: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D); variable length
+    (``var.cu_seqlens_q`` set): q (total_q, Hq, D), k/v (total_k, Hkv, D). Any strides.
 
-    Returns ``(out, lse)``: out like q's shape and dtype, lse float32 (B, Hq, Sq) contiguous.
+    Returns ``(out, lse)``: out like q's shape and dtype; lse float32, (B, Hq, Sq) dense or
+    (Hq, total_q) variable length, contiguous.
     """
     import torch
 
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+    # variable length: token rows outside every sequence get no program, so start from zeros
+    alloc = torch.zeros if var.varlen else torch.empty
+    out = alloc(q.shape, dtype=q.dtype, device=q.device)
+    lse = alloc(var.lse_shape(q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or Sq == 0:
         return out, lse
     cfg = configs.forward_config(q, var.causal)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     _fwd_kernel[grid](
         q, k, v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *var.kernel_args(q),
+        *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
+        *var.kernel_args(q), *var.seq_args(q, lse),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
         **var.constexprs(),
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

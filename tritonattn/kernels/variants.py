@@ -28,6 +28,35 @@ class Variants:
     mask_kind: int = MASK_NONE
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # int64 (1,) on the inputs' device
+    # variable length: int32 (B + 1,) offsets into packed (total, H, D) tensors, and the longest lengths
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def dims(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """(B, Sq, Sk, Hq, Hkv, D); for variable length Sq / Sk are the longest sequences."""
+        if self.varlen:
+            return (self.cu_seqlens_q.shape[0] - 1, self.max_seqlen_q, self.max_seqlen_k,
+                    q.shape[1], k.shape[1], q.shape[2])
+        return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+    def lse_shape(self, q: torch.Tensor) -> tuple:
+        return (q.shape[1], q.shape[0]) if self.varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+    def bshd_strides(self, t: torch.Tensor) -> tuple:
+        """(batch, seq, head, dim) strides; packed variable-length tensors have no batch stride."""
+        return (0, *t.stride()) if self.varlen else tuple(t.stride())
+
+    def seq_args(self, q: torch.Tensor, lse: torch.Tensor) -> tuple:
+        """CU_Q, CU_K and the (batch, head) strides of the lse / delta buffers."""
+        if self.varlen:
+            return self.cu_seqlens_q, self.cu_seqlens_k, 0, lse.stride(0)
+        return q, q, lse.stride(0), lse.stride(1)
 
     @property
     def causal(self) -> bool:
@@ -37,7 +66,7 @@ class Variants:
         return dict(
             WIN_LEFT=self.win_left >= 0, WIN_RIGHT=self.win_right >= 0, SOFTCAP=self.softcap > 0,
             HAS_ALIBI=self.alibi_slopes is not None, HAS_BIAS=self.bias is not None,
-            MASK_KIND=self.mask_kind, HAS_DROPOUT=self.dropout_p > 0,
+            MASK_KIND=self.mask_kind, HAS_DROPOUT=self.dropout_p > 0, IS_VARLEN=self.varlen,
         )
 
     def kernel_args(self, q: torch.Tensor) -> tuple:
