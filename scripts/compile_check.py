@@ -99,6 +99,8 @@ def main(argv=None) -> int:
         k = torch.randn(shape_k).to(dtype)
         v = torch.randn(shape_k).to(dtype)
         out, lse = attention_forward(q, k, v, var)
+        if var.kv_lens is not None:  # inference: forward only
+            return
         attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         if probs:
             attention_probs(q, k, v, lse, var)
@@ -131,6 +133,13 @@ def main(argv=None) -> int:
                 (f"varlen-{dt}", 128, dtypes[dt], dict(base), dict(varlen=True)),
                 (f"varlen-dropout-{dt}", 64, dtypes[dt], dict(win_left=32, dropout_p=0.1, seed=seed),
                  dict(varlen=True, probs=True)),
+                (f"kvcache-paged-{dt}", 128, dtypes[dt],
+                 dict(base, kv_lens=torch.full((2,), 200, dtype=torch.int32),
+                      kv_leftpad=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 16, dtype=torch.int32),
+                      page_size=16, kv_page_strides=(16 * 2 * 128, 16 * 2 * 128)), {}),
+                (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
+                 dict(kv_lens=torch.full((2,), 200, dtype=torch.int32),
+                      kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
     for label, D, dtype, var_kw, run_kw in plans:

@@ -15,9 +15,11 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from tritonattn.inference import flash_attn_with_kvcache
     from tritonattn.interface import (
         attention,
         flash_attn_func,
@@ -30,6 +32,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str):
+    if name == "flash_attn_with_kvcache":
+        from tritonattn.inference import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache
     if name in __all__:
         from tritonattn import interface
 

@@ -9,16 +9,30 @@ from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
+def _kv_rows(cur_n, k_start, p_bt, page_size, stride_page, stride_row, Sk, PAGED: tl.constexpr):
+    """Element offsets (int64) of key / value rows ``cur_n`` of the sequence.
+
+    Contiguous caches: the sequence start is already in the base pointer. Paged caches
+    (``(num_blocks, page_size, H, D)`` with a block table): row ``k_start + n`` of the sequence lives
+    in page ``block_table[(k_start + n) // page_size]`` at ``(k_start + n) % page_size``."""
+    if PAGED:
+        rows = cur_n + k_start
+        page = tl.load(p_bt + rows // page_size, mask=cur_n < Sk, other=0).to(tl.int64)
+        return page * stride_page + (rows % page_size).to(tl.int64) * stride_row
+    return cur_n.to(tl.int64) * stride_row
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    p_k, p_v, stride_kn, stride_vn,
+    p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
     offs_m, offs_n, offs_d, lo, hi, Sq, Sk,
     qk_scale, softcap_scale, softcap_log2, slope2,
     p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
     win_left, win_right, seed, dropout_p,
     BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One stage of key blocks [lo, hi). BOUNDS=False for blocks every row sees in full."""
@@ -28,7 +42,8 @@ def _fwd_inner(
         kv_ok = d_ok[None, :]
         if BOUNDS:
             kv_ok = kv_ok & (cur_n[:, None] < Sk)
-        k = tl.load(p_k + cur_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
+        k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
+                    mask=kv_ok, other=0.0)
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
         s, _ = scores_log2(qk, offs_m[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                            slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
@@ -42,7 +57,8 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(seed, offs_m[:, None], cur_n[None, :], Sk, dropout_p), p, 0.0)
-        v = tl.load(p_v + cur_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
+        v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
+                    mask=kv_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -59,9 +75,11 @@ def _fwd_kernel(
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
     CU_Q, CU_K, stride_lse_b, stride_lse_h,
+    KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, stride_bt_b, page_size, stride_kpage, stride_vpage,
     Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    KV_CACHE: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -77,10 +95,22 @@ def _fwd_kernel(
     if IS_VARLEN:
         if start_m >= Sq:  # past this sequence's end (the grid covers max_seqlen_q)
             return
+    off_bk = off_b
+    p_bt = BLOCK_TABLE
+    if KV_CACHE:
+        # keys are rows [leftpad, lens) of the batch row's cache (with the new tokens appended)
+        if HAS_LEFTPAD:
+            k_start = tl.load(KV_LEFTPAD + off_b).to(tl.int64)
+        Sk = tl.load(KV_LENS + off_b) - k_start
+        if HAS_BATCH_IDX:
+            off_bk = tl.load(KV_BATCH_IDX + off_b).to(tl.int64)
+        if PAGED:
+            p_bt = BLOCK_TABLE + off_b * stride_bt_b
     Q += q_start * stride_qm
     O += q_start * stride_om
-    K += k_start * stride_kn
-    V += k_start * stride_vn
+    if not PAGED:
+        K += k_start * stride_kn
+        V += k_start * stride_vn
     LSE += off_b * stride_lse_b + off_h * stride_lse_h + q_start
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -90,8 +120,8 @@ def _fwd_kernel(
 
     p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
-    p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    p_k = K + off_bk * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
+    p_v = V + off_bk * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                               MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                               HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
@@ -103,24 +133,27 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = key_range(start_m, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N, WIN_LEFT, WIN_RIGHT)
     if WIN_LEFT:  # masked: the window's left edge
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, lo, tl.minimum(full_lo, hi),
+            acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            offs_m, offs_n, offs_d, lo, tl.minimum(full_lo, hi),
             Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
             p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
             HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
     # unmasked: every row sees every key
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, full_lo, full_hi,
+        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            offs_m, offs_n, offs_d, full_lo, full_hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
         HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
     # masked: the diagonal / the window's right edge, and the ragged end of the keys
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, offs_m, offs_n, offs_d, tl.maximum(full_hi, full_lo), hi,
+        acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            offs_m, offs_n, offs_d, tl.maximum(full_hi, full_lo), hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
         HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
 
     # rows that saw no key: output 0, lse -inf
@@ -157,9 +190,9 @@ def attention_forward(q, k, v, var: Variants):
     _fwd_kernel[grid](
         q, k, v, out, lse,
         *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
-        *var.kernel_args(q), *var.seq_args(q, lse),
+        *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
-        **var.constexprs(),
+        **var.constexprs(), **var.cache_constexprs(),
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -33,6 +33,14 @@ class Variants:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # KV cache (forward only): keys of batch row b are cache rows [leftpad[b], kv_lens[b]) of cache row
+    # batch_idx[b] (or b); paged caches are (num_blocks, page_size, H, D) addressed through block_table
+    kv_lens: torch.Tensor | None = None
+    kv_leftpad: torch.Tensor | None = None
+    kv_batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    page_size: int = 0
+    kv_page_strides: tuple = (0, 0)
 
     @property
     def varlen(self) -> bool:
@@ -85,6 +93,20 @@ class Variants:
             alibi = (self.alibi_slopes, self.alibi_slopes.stride(0) if self.alibi_slopes.dim() == 2 else 0)
         seed = self.seed if self.seed is not None else q
         return (*bias, *mask, *alibi, seed, float(self.dropout_p))
+
+    def cache_args(self, q: torch.Tensor) -> tuple:
+        """KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, its batch stride, page_size and the page
+        strides of K and V (placeholders when unused)."""
+        bt = self.block_table
+        return (self.kv_lens if self.kv_lens is not None else q,
+                self.kv_leftpad if self.kv_leftpad is not None else q,
+                self.kv_batch_idx if self.kv_batch_idx is not None else q,
+                bt if bt is not None else q, bt.stride(0) if bt is not None else 0,
+                max(self.page_size, 1), *self.kv_page_strides)
+
+    def cache_constexprs(self) -> dict:
+        return dict(KV_CACHE=self.kv_lens is not None, HAS_LEFTPAD=self.kv_leftpad is not None,
+                    HAS_BATCH_IDX=self.kv_batch_idx is not None, PAGED=self.block_table is not None)
 
     def scale_args(self) -> tuple:
         """qk_scale (exp2 domain), softcap_scale (softmax_scale / softcap), softcap_log2."""

@@ -1,0 +1,134 @@
+"""flash_attn_with_kvcache: in-place append, rotary, contiguous and paged caches, against the reference."""
+
+import pytest
+import torch
+from conftest import DEVICE, check_against_reference
+
+from tritonattn import flash_attn_with_kvcache
+from tritonattn.inference import apply_rotary
+
+F16 = torch.float16
+
+
+def _cache(Bc, S, Hkv, D, dtype=F16):
+    return (torch.randn(Bc, S, Hkv, D, device=DEVICE).to(dtype), torch.randn(Bc, S, Hkv, D, device=DEVICE).to(dtype))
+
+
+def _to_paged(k_cache, v_cache, page_size, gen):
+    """The same cache laid out in shuffled pages, with its block table."""
+    B, S, H, D = k_cache.shape
+    nb = S // page_size
+    perm = torch.randperm(B * nb, generator=gen).to(DEVICE)
+    kp = torch.empty(B * nb, page_size, H, D, dtype=k_cache.dtype, device=DEVICE)
+    vp = torch.empty_like(kp)
+    kp[perm] = k_cache.reshape(B * nb, page_size, H, D)
+    vp[perm] = v_cache.reshape(B * nb, page_size, H, D)
+    return kp, vp, perm.reshape(B, nb).to(torch.int32)
+
+
+@pytest.mark.parametrize("Sq,new", [(1, 0), (1, 1), (5, 5), (3, 0), (16, 16)], ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kvcache_against_reference(Sq, new, causal, poison):
+    torch.manual_seed(Sq * 10 + new)
+    B, Hq, Hkv, D, S = 3, 8, 2, 64, 96
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
+    k_cache, v_cache = _cache(B, S, Hkv, D)
+    seqlens = torch.tensor([0, 17, 70], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, new, Hkv, D, device=DEVICE).to(F16) if new else None
+    v_new = torch.randn(B, new, Hkv, D, device=DEVICE).to(F16) if new else None
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=causal,
+                                       return_softmax_lse=True)
+    for b in range(B):
+        n = int(seqlens[b])
+        if new:  # appended in place, element by element, and nothing else touched
+            assert torch.equal(k_cache[b, n:n + new], k_new[b]) and torch.equal(v_cache[b, n:n + new], v_new[b])
+        untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+        untouched[n:n + new] = False
+        assert torch.equal(k_cache[b, untouched], before_k[b, untouched])
+        assert torch.equal(v_cache[b, untouched], before_v[b, untouched])
+        L = n + new
+        if L == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        check_against_reference(q[b:b + 1], k_cache[b:b + 1, :L], v_cache[b:b + 1, :L], out[b:b + 1],
+                                lse[b:b + 1], None, None, causal)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_equals_contiguous(page_size, poison):
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    B, Sq, Hq, Hkv, D, S = 3, 4, 4, 2, 64, 128
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
+    k_cache, v_cache = _cache(B, S, Hkv, D)
+    kp, vp, table = _to_paged(k_cache, v_cache, page_size, gen)
+    seqlens = torch.tensor([5, 64, 100], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
+    v_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
+    out_c = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True)
+    out_p = flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=seqlens, causal=True, block_table=table)
+    assert torch.equal(out_c, out_p)
+    # the pages hold exactly what the contiguous cache holds, appended tokens included
+    assert torch.equal(kp[table.long()].reshape(B, S, Hkv, D), k_cache)
+    assert torch.equal(vp[table.long()].reshape(B, S, Hkv, D), v_cache)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rotary_batch_idx_and_leftpad(interleaved, causal, poison):
+    torch.manual_seed(2)
+    B, Sq, Hq, Hkv, D, S, rot = 2, 3, 4, 2, 64, 80, 32
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
+    k_cache, v_cache = _cache(4, S, Hkv, D)  # 4 cache rows, the batch uses rows 3 and 1
+    batch_idx = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([20, 50], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
+    v_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
+    angles = torch.rand(100, rot // 2, device=DEVICE) * 6
+    cos, sin = angles.cos(), angles.sin()
+    k0 = k_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                  cache_seqlens=seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad,
+                                  causal=causal, rotary_interleaved=interleaved)
+    assert torch.equal(k_cache[0], k0[0]) and torch.equal(k_cache[2], k0[2])  # rows no batch uses
+    for b in range(B):
+        row, lp, n = int(batch_idx[b]), int(leftpad[b]), int(seqlens[b])
+        pos = torch.arange(n - lp, n - lp + Sq, device=DEVICE)[None]
+        k_rot = apply_rotary(k_new[b:b + 1], cos, sin, pos, interleaved)
+        assert torch.equal(k_cache[row, n:n + Sq], k_rot[0])
+        q_pos = pos if causal else torch.full_like(pos, n - lp)
+        q_rot = apply_rotary(q[b:b + 1], cos, sin, q_pos, interleaved)
+        check_against_reference(q_rot, k_cache[row:row + 1, lp:n + Sq], v_cache[row:row + 1, lp:n + Sq],
+                                out[b:b + 1], None, None, None, causal)
+
+
+def test_apply_rotary_matches_complex_rotation():
+    torch.manual_seed(3)
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    angles = torch.rand(5, 4, dtype=torch.float64)
+    pos = torch.arange(5)[None]
+    got = apply_rotary(x, angles.cos(), angles.sin(), pos, interleaved=True)
+    z = torch.view_as_complex(x.reshape(1, 5, 2, 4, 2).contiguous()) * torch.polar(torch.ones_like(angles), angles)[
+        None, :, None]
+    assert torch.allclose(got, torch.view_as_real(z).reshape(1, 5, 2, 8))
+
+
+def test_kvcache_bad_input():
+    q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16)
+    kc, vc = _cache(2, 32, 2, 16)
+    with pytest.raises(ValueError, match="cache_seqlens = 40 is outside"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="block_table must be an int32 tensor"):
+        flash_attn_with_kvcache(q, kc, vc, block_table=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="give both k and v"):
+        flash_attn_with_kvcache(q, kc, vc, k=torch.randn(2, 1, 2, 16, device=DEVICE).to(F16))
+    with pytest.raises(ValueError, match=r"cache_seqlens \(\+ 1 new tokens\) must lie in"):
+        kn = torch.randn(2, 1, 2, 16, device=DEVICE).to(F16)
+        flash_attn_with_kvcache(q, kc, vc, kn, kn.clone(), cache_seqlens=torch.tensor([3, 32], dtype=torch.int32,
+                                                                                      device=DEVICE))
+    with pytest.raises(ValueError, match="k_cache holds 3 rows but q has batch 2"):
+        flash_attn_with_kvcache(q, *_cache(3, 32, 2, 16))

@@ -1,0 +1,194 @@
+"""Inference: ``flash_attn_with_kvcache`` (flash-attn 2.x semantics), contiguous or paged KV cache.
+
+The new keys / values are appended to the cache in place (rotary applied first when cos / sin are
+given), then attention runs over each batch row's valid cache prefix with the forward kernel,
+which reads paged caches through the block table row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks
+from tritonattn.kernels.fwd import attention_forward
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of ``x`` (B, S, H, D) at ``positions`` (B, S) with tables (seqlen_ro, rotary_dim / 2).
+
+    Rotates the first ``rotary_dim`` dims of the head dim: interleaved pairs (x0, x1), (x2, x3), ...
+    (GPT-J) or the two halves (GPT-NeoX). Computed in fp32, returned in x's dtype."""
+    rot = cos.shape[-1] * 2
+    c = cos[positions].float()[:, :, None, :]  # (B, S, 1, rot/2)
+    s = sin[positions].float()[:, :, None, :]
+    xr = x[..., :rot].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+        out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def _int_tensor(name: str, t, B: int, device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (B,):
+        raise TypeError(f"{name} must be an int32 tensor of shape ({B},), got "
+                        f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                        f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return t
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of new queries over a KV cache, appending new keys / values in place.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)``, or with
+            ``block_table`` paged ``(num_blocks, page_size, nheads_k, headdim)`` (any page size).
+        k, v: optional new tokens ``(batch, seqlen_new, nheads_k, headdim)``, written into the cache
+            at rows ``cache_seqlens[b] ...`` before attention (in place).
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``: rotary embedding applied
+            to the new k (at their positions) and to q (at the same positions when causal or with
+            a window, else all at position ``cache_seqlens``), positions counted from ``cache_leftpad``.
+        cache_seqlens: int or int32 ``(batch,)``: tokens already in the cache (default: all of it).
+        cache_batch_idx: int32 ``(batch,)``: cache row of each batch row (contiguous caches).
+        cache_leftpad: int32 ``(batch,)``: the cache of row b starts at this index.
+        block_table: int32 ``(batch, max_blocks)``: pages of each row (paged cache).
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attn_func``; causal is
+            aligned bottom-right (the new queries are the last ones).
+        num_splits: a performance hint of flash-attn's split-KV kernel; accepted, every value gives
+            the same result (this version runs one program per query block).
+        return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
+    """
+    _check_tensor("q", q, 4)
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    B, Sq, Hq, D = q.shape
+    paged = block_table is not None
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != B:
+            raise ValueError(f"block_table must be an int32 tensor of shape ({B}, max_blocks)")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with a paged cache (block_table)")
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    # the shared shape / dtype / head checks, on the cache seen as (batch, capacity, Hkv, D)
+    _check_qkv(q, _CacheView(B, capacity, k_cache), _CacheView(B, capacity, v_cache),
+               names=("q", "k_cache", "v_cache"))
+    if not paged and cache_batch_idx is None and k_cache.shape[0] != B:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} rows but q has batch {B} (give cache_batch_idx)")
+    batch_idx = _int_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
+    leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
+
+    if cache_seqlens is None:
+        seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
+        seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = _int_tensor("cache_seqlens", cache_seqlens, B, q.device)
+
+    n_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v (new tokens) or neither")
+    if k is not None:
+        _check_tensor("k", k, 4)
+        _check_tensor("v", v, 4)
+        if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or k.dtype != k_cache.dtype:
+            raise ValueError(f"k and v must have shape ({B}, seqlen_new, {k_cache.shape[2]}, {D}) and the cache's "
+                             f"dtype, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+        n_new = k.shape[1]
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("give both rotary_cos and rotary_sin or neither")
+    if rotary_cos is not None:
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rotary_cos.shape[1] * 2 > D:
+            raise ValueError(f"rotary_cos / rotary_sin must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                             f"<= {D}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if q.device.type == "cpu" or _debug_checks():  # contents: a device sync on CUDA
+        start = leftpad if leftpad is not None else torch.zeros_like(seqlens)
+        if bool((seqlens < start).any()) or bool((seqlens + n_new > capacity).any()):
+            raise ValueError(f"cache_seqlens (+ {n_new} new tokens) must lie in [cache_leftpad, {capacity}], got "
+                             f"{seqlens.tolist()}")
+        if rotary_cos is not None and int((seqlens - start).max()) + max(n_new, Sq) > rotary_cos.shape[0]:
+            raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions are too short")
+
+    var = _check_options(q, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    start = leftpad.long() if leftpad is not None else 0
+    if rotary_cos is not None:
+        base = (seqlens.long() - start)[:, None]
+        local = causal or tuple(window_size) != (-1, -1)
+        pos_q = base + (torch.arange(Sq, device=q.device)[None, :] if local else 0)
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos_q.expand(B, Sq), rotary_interleaved)
+    if n_new:
+        pos = seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]  # (B, n_new) absolute rows
+        if rotary_cos is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, pos - (start[:, None] if leftpad is not None else 0),
+                             rotary_interleaved)
+        if paged:
+            pages = block_table.long().gather(1, pos // page_size)
+            k_cache[pages, pos % page_size] = k
+            v_cache[pages, pos % page_size] = v
+        else:
+            rows = (batch_idx.long() if batch_idx is not None else torch.arange(B, device=q.device))[:, None]
+            k_cache[rows, pos] = k
+            v_cache[rows, pos] = v
+
+    var.kv_lens = seqlens + n_new if n_new else seqlens
+    var.kv_leftpad, var.kv_batch_idx = leftpad, batch_idx
+    if paged:
+        var.block_table, var.page_size = block_table, page_size
+        var.kv_page_strides = (k_cache.stride(0), v_cache.stride(0))
+        # the kernel reads pages through the block table: pass one page per row, batch stride 0
+        k_arg, v_arg = k_cache[:1].expand(B, *k_cache.shape[1:]), v_cache[:1].expand(B, *v_cache.shape[1:])
+    else:
+        k_arg, v_arg = k_cache, v_cache
+    with torch.no_grad():
+        out, lse = attention_forward(q, k_arg, v_arg, var)
+    return (out, lse) if return_softmax_lse else out
+
+
+class _CacheView:
+    """A shape-and-dtype stand-in for the cache seen as (batch, capacity, Hkv, D), for the shared checks."""
+
+    def __init__(self, B, capacity, cache):
+        self.shape = torch.Size((B, capacity, *cache.shape[2:]))
+        self.dtype, self.device = cache.dtype, cache.device
