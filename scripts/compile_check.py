@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     JITFunction.run = _compile_only
     from tritonattn import configs
     from tritonattn.kernels.bwd import attention_backward, attention_probs
+    from tritonattn.kernels.decode import decode_forward
     from tritonattn.kernels.fwd import attention_forward
     from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     configs._lookup = lambda mode, q: configs._override.get(mode) or configs._SM90[mode][
         (configs.padded_head_dim(q.shape[-1]), q.element_size())]
     configs.tile_config = lambda q: configs._TILE[q.element_size()]
+    configs.decode_config = lambda q: configs._DECODE[(configs.padded_head_dim(q.shape[-1]), 2)]
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -98,9 +100,11 @@ def main(argv=None) -> int:
         q = torch.randn(shape_q).to(dtype)
         k = torch.randn(shape_k).to(dtype)
         v = torch.randn(shape_k).to(dtype)
-        out, lse = attention_forward(q, k, v, var)
-        if var.kv_lens is not None:  # inference: forward only
+        if var.kv_lens is not None:  # inference: forward only, both the forward and the split-KV kernels
+            attention_forward(q, k, v, var)
+            decode_forward(q[:, :2], k, v, var, S, 4)
             return
+        out, lse = attention_forward(q, k, v, var)
         attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         if probs:
             attention_probs(q, k, v, lse, var)
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
                       kv_leftpad=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 16, dtype=torch.int32),
                       page_size=16, kv_page_strides=(16 * 2 * 128, 16 * 2 * 128)), {}),
                 (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
-                 dict(kv_lens=torch.full((2,), 200, dtype=torch.int32),
+                 dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")

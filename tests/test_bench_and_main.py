@@ -48,6 +48,15 @@ def test_variant_backends_report_their_cost(tmp_path, capsys):
         assert f"| {variant} |" in out  # a row of the time-ratio table
 
 
+def test_decode_grid(tmp_path, capsys):
+    assert len(grid_shapes("decode")) == 12
+    rc = main(["--grid", "decode", "--seqlens", "48", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert len(rows) == 3 and all(float(r["gbps"]) > 0 for r in rows)
+    assert "[decoding: GB/s of K/V read" in capsys.readouterr().out
+
+
 def test_main_job(capsys):
     from tritonattn.__main__ import main as run_main
 

@@ -132,3 +132,42 @@ def test_kvcache_bad_input():
                                                                                       device=DEVICE))
     with pytest.raises(ValueError, match="k_cache holds 3 rows but q has batch 2"):
         flash_attn_with_kvcache(q, *_cache(3, 32, 2, 16))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("Sq,causal,extra", [(1, True, {}), (4, True, dict(softcap=15.0)), (2, False, dict(alibi=True)),
+                                             (3, True, dict(window_size=(40, 0)))],
+                         ids=["decode1", "spec4-softcap", "q2-alibi", "q3-window"])
+def test_split_kv_decoding(paged, Sq, causal, extra, poison):
+    """num_splits > 1 / 0 (split-KV kernel) against num_splits=1 (forward kernel) and the reference."""
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    B, Hq, Hkv, D, S = 3, 8, 2, 64, 160
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
+    k_cache, v_cache = _cache(B, S, Hkv, D)
+    seqlens = torch.tensor([0, 33, 150], dtype=torch.int32, device=DEVICE)
+    kw = dict(extra)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(B, Hq, device=DEVICE)
+    if paged:
+        kc, vc, table = _to_paged(k_cache, v_cache, 16, gen)
+        kw["block_table"] = table
+    else:
+        kc, vc = k_cache, v_cache
+    ref, ref_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal, num_splits=1,
+                                           return_softmax_lse=True, **kw)
+    for splits in (0, 3, 7):
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal, num_splits=splits,
+                                           return_softmax_lse=True, **kw)
+        assert not torch.isnan(out).any()
+        assert (out.float() - ref.float()).abs().max().item() < 2e-3, splits
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-4
+    for b in range(1, B):
+        L = int(seqlens[b])
+        rkw = {key: val for key, val in kw.items() if key in ("softcap", "window_size")}
+        if "alibi_slopes" in kw:
+            rkw["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
+        check_against_reference(q[b:b + 1], k_cache[b:b + 1, :L], v_cache[b:b + 1, :L], out[b:b + 1],
+                                lse[b:b + 1], None, None, causal, **rkw)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # an empty cache row

@@ -80,6 +80,12 @@ _PREPROCESS = C(64, 0, 4, 1)
 # probabilities / dBias tiles (a testing aid and the bias-gradient pass): one tile per program
 _TILE = {2: C(64, 64, 4, 2), 4: C(32, 32, 4, 1)}
 _TILE_INTERP = C(32, 64, 4, 1)
+# split-KV decoding: BLOCK_N keys per step (BLOCK_M is the packed GQA group x seqlen_q).
+# Memory-bound: long key tiles and deep pipelining; unmeasured first choice (benchmarks/NOTES.md).
+_DECODE = {(16, 2): C(0, 128, 4, 3), (32, 2): C(0, 128, 4, 3), (64, 2): C(0, 128, 4, 3), (128, 2): C(0, 128, 4, 3),
+           (256, 2): C(0, 64, 4, 3)}
+_DECODE_FP32 = C(0, 32, 4, 1)
+_DECODE_INTERP = C(0, 32, 4, 1)
 
 _override: dict[str, TileConfig] = {}
 
@@ -124,6 +130,16 @@ def backward_dq_config(q: torch.Tensor, causal: bool) -> TileConfig:
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:
     return _PREPROCESS
+
+
+def decode_config(q: torch.Tensor) -> TileConfig:
+    if "decode" in _override:
+        return _override["decode"]
+    if q.device.type != "cuda":
+        return _DECODE_INTERP
+    if q.element_size() == 4:
+        return _DECODE_FP32
+    return _DECODE[(padded_head_dim(q.shape[-1]), 2)]
 
 
 def tile_config(q: torch.Tensor) -> TileConfig:

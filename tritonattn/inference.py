@@ -12,7 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks
+from tritonattn.kernels.decode import decode_forward
 from tritonattn.kernels.fwd import attention_forward
+
+# split-KV decoding packs seqlen_q x (nheads / nheads_k) query rows into one tile
+DECODE_MAX_ROWS = 64
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -84,8 +88,10 @@ def flash_attn_with_kvcache(
         block_table: int32 ``(batch, max_blocks)``: pages of each row (paged cache).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attn_func``; causal is
             aligned bottom-right (the new queries are the last ones).
-        num_splits: a performance hint of flash-attn's split-KV kernel; accepted, every value gives
-            the same result (this version runs one program per query block).
+        num_splits: 1 runs the forward kernel (one program per query block, no split); > 1 runs the
+            split-KV decoding kernel with that many key splits (every query of a kv head's GQA
+            group in one tile, splits merged by log-sum-exp); 0 picks: split-KV when
+            ``seqlen_q * nheads / nheads_k <= 64``, with enough splits for ~2 waves of the GPU.
         return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
     """
     _check_tensor("q", q, 4)
@@ -181,8 +187,12 @@ def flash_attn_with_kvcache(
         k_arg, v_arg = k_cache[:1].expand(B, *k_cache.shape[1:]), v_cache[:1].expand(B, *v_cache.shape[1:])
     else:
         k_arg, v_arg = k_cache, v_cache
+    split = num_splits > 1 or (num_splits == 0 and Sq * (Hq // k_cache.shape[2]) <= DECODE_MAX_ROWS)
     with torch.no_grad():
-        out, lse = attention_forward(q, k_arg, v_arg, var)
+        if split:
+            out, lse = decode_forward(q, k_arg, v_arg, var, capacity, num_splits)
+        else:
+            out, lse = attention_forward(q, k_arg, v_arg, var)
     return (out, lse) if return_softmax_lse else out
 
 

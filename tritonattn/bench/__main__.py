@@ -6,6 +6,9 @@ Grids (``--grid``, several allowed):
   S = 512 .. 16384, causal and not (bf16 unless ``--dtypes``);
 - ``seed004``: the 20 shapes ``[dtype, B, H, S, D]`` of the ROCm backward issue, printed in its
   table form (forward in microseconds, forward+backward in milliseconds);
+- ``decode``: one new query over a KV cache (flash_attn_with_kvcache), B = 1, 8, 64, Hq=32, Hkv=8,
+  D=128, cache lengths 4096 .. 131072, bf16; reported as GB/s of K/V read against the device's
+  copy bandwidth measured in the same run;
 - ``tiny``: a small grid that runs under the Triton interpreter without a GPU (what CI runs).
 
 Variant backends (``--backends tritonattn tritonattn+dropout tritonattn+bias-grad
@@ -36,6 +39,7 @@ from tritonattn.bench.runner import (  # noqa: E402
     Shape,
     environment,
     measure_shape,
+    print_decode_table,
     print_table,
     print_variant_costs,
 )
@@ -63,12 +67,17 @@ def grid_shapes(grid: str, seqlens=None, dtypes=None, causal=None) -> list[Shape
         for dt in dtypes or ["fp16", "bf16"]:
             for B, H, S, D in SEED004:
                 shapes.append(Shape("seed004", B, H, H, S, S, D, False, DTYPES[dt]))
+    elif grid == "decode":
+        for dt in dtypes or ["bf16"]:
+            for B in (1, 8, 64):
+                for L in seqlens or [4096, 16384, 65536, 131072]:
+                    shapes.append(Shape("decode", B, 32, 8, 1, L, 128, False, DTYPES[dt]))
     elif grid == "tiny":
         for c in causals:
             for S in seqlens or [64, 128]:
                 shapes.append(Shape("tiny", 1, 2, 1, S, S, 64, c, DTYPES[(dtypes or ["fp16"])[0]]))
     else:
-        raise ValueError(f"unknown grid {grid!r}; expected llama, fa, seed004 or tiny")
+        raise ValueError(f"unknown grid {grid!r}; expected llama, fa, seed004, decode or tiny")
     return shapes
 
 
@@ -120,7 +129,7 @@ def plot(rows, path) -> bool:
         return False
     panels = []
     for r in rows:
-        if r["grid"] == "seed004" or not r["tflops"]:
+        if r["grid"] in ("seed004", "decode") or not r["tflops"]:
             continue
         key = (r["grid"], r["head_dim"], r["dtype"], r["causal"], r["mode"])
         if key not in panels:
@@ -184,7 +193,8 @@ def main(argv=None) -> int:
     out = args.out or os.path.join("benchmarks", "results", str(datetime.date.today()))
     os.makedirs(out, exist_ok=True)
     write_csv(rows, os.path.join(out, "results.csv"))
-    print_table([r for r in rows if r["grid"] != "seed004"])
+    print_table([r for r in rows if r["grid"] not in ("seed004", "decode")])
+    print_decode_table(rows)
     print_seed004(rows)
     print_variant_costs(rows)
     failures = sorted({(r["backend"], r["note"]) for r in rows if r["ms"] is None})

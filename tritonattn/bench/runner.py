@@ -47,6 +47,10 @@ class Shape:
         return (f"B{self.batch}-H{self.heads}/{self.kv_heads}-{s}-D{self.head_dim}-"
                 f"{'causal' if self.causal else 'full'}-{DTYPE_NAMES[self.dtype]}")
 
+    def kv_bytes(self) -> float:
+        """Bytes of K and V a decoding step must read (the figure of merit when Sq is small)."""
+        return 2.0 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits / 8
+
     def flops(self, mode: str) -> float:
         f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
         if self.causal:
@@ -113,6 +117,11 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
     def randn(*s):
         return torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=shape.dtype)
 
+    if backend == "tritonattn" and shape.grid == "decode":
+        from tritonattn import flash_attn_with_kvcache
+
+        q, k, v = randn(B, Sq, Hq, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
+        return (lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=Sk, causal=shape.causal)), [q, k, v], ""
     if backend == "tritonattn":
         q, k, v = randn(B, Sq, Hq, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)
         ins = [t.requires_grad_() for t in (q, k, v)]
@@ -159,7 +168,8 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
     if shape.causal and Sq != Sk:
         raise NotImplementedError("SDPA's causal mask is top-left aligned; benchmark shapes use Sq == Sk")
     gqa = Hq != Hkv
-    ins = [t.requires_grad_() for t in (q, k, v)]
+    inference = shape.grid == "decode"
+    ins = [t.requires_grad_(not inference) for t in (q, k, v)]
     if gqa:
         try:
             with sdpa_kernel(be):
@@ -223,6 +233,13 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             if device == "cuda":
                 torch.cuda.empty_cache()
             fn, ins, note = make_callable(backend, shape, device)
+            if shape.grid == "decode":  # inference: forward only, bandwidth is the figure of merit
+                with torch.no_grad():
+                    fn()
+                    ms = _bench(fn)
+                rows.append(dict(base, mode="fwd", ms=ms, tflops=shape.flops("fwd") / ms * 1e-9, max_err=None,
+                                 peak_mem_gb=None, gbps=shape.kv_bytes() / ms * 1e-6, note=note))
+                continue
             out = fn()
             # variants compute another function than plain attention: no error figure for them
             err = None if backend in VARIANTS else _out_error(out, ins, shape, backend == "tritonattn")
@@ -250,6 +267,38 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             for mode in modes:
                 rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None, note=msg))
     return rows
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device copy bandwidth (bytes read + written per second), measured now: the decoding ceiling."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x))
+    return 2 * x.numel() / ms * 1e-6
+
+
+def print_decode_table(rows: list[dict], file=None) -> None:
+    """Decoding: GB/s of K/V read per backend, and tritonattn's share of the copy bandwidth."""
+    import sys
+
+    file = file or sys.stdout
+    sel = [r for r in rows if r["grid"] == "decode"]
+    if not sel:
+        return
+    ceiling = copy_bandwidth_gbps() if torch.cuda.is_available() else None
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in sel)]
+    print(f"\n[decoding: GB/s of K/V read; device copy bandwidth measured now: "
+          f"{ceiling:.0f} GB/s]" if ceiling else "\n[decoding: GB/s of K/V read]", file=file)
+    print("| shape | " + " | ".join(backends) + " | tritonattn / copy bw | ratio to best peer |", file=file)
+    print("|---|" + "---|" * (len(backends) + 2), file=file)
+    for shape in dict.fromkeys(r["shape"] for r in sel):
+        cell = {r["backend"]: r.get("gbps") for r in sel if r["shape"] == shape}
+        ours = cell.get("tritonattn")
+        peers = [g for b, g in cell.items() if b != "tritonattn" and g]
+        share = f"{ours / ceiling:.0%}" if ours and ceiling else "-"
+        ratio = f"{ours / max(peers):.2f}x" if ours and peers else "-"
+        print(f"| {shape} | " + " | ".join(f"{cell[b]:.0f}" if cell.get(b) else "-" for b in backends)
+              + f" | {share} | {ratio} |", file=file)
 
 
 def print_table(rows: list[dict], file=None) -> None:

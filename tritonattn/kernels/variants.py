@@ -87,12 +87,14 @@ class Variants:
             mask = (self.mask, self.mask.stride(0), 0, 0, self.mask.stride(1))
         else:
             mask = (self.mask, *self.mask.stride())
-        if self.alibi_slopes is None:
-            alibi = (q, 0)
-        else:
-            alibi = (self.alibi_slopes, self.alibi_slopes.stride(0) if self.alibi_slopes.dim() == 2 else 0)
         seed = self.seed if self.seed is not None else q
-        return (*bias, *mask, *alibi, seed, float(self.dropout_p))
+        return (*bias, *mask, *self.alibi_args(q), seed, float(self.dropout_p))
+
+    def alibi_args(self, q: torch.Tensor) -> tuple:
+        """ALIBI and its batch stride (0 for per-head slopes)."""
+        if self.alibi_slopes is None:
+            return q, 0
+        return self.alibi_slopes, self.alibi_slopes.stride(0) if self.alibi_slopes.dim() == 2 else 0
 
     def cache_args(self, q: torch.Tensor) -> tuple:
         """KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, its batch stride, page_size and the page

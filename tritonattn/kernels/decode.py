@@ -1,0 +1,175 @@
+"""Split-KV decoding (flash-decoding) for a few new queries over a KV cache.
+
+Decoding is memory-bound: what counts is reading each K/V tile once. So one program owns a
+(split of the keys, batch row, kv head) and packs every query of the kv head's GQA group (group
+size x seqlen_q rows) into its query tile: each K/V tile is read once per kv head, not once per
+query head. Splits along the keys give the grid enough programs to fill the GPU at small batch;
+a combine kernel merges the splits by their log-sum-exp. The score math (softcap, ALiBi, window /
+causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonattn import configs
+from tritonattn.kernels.common import LN2, LOG2E, mma, scores_log2
+from tritonattn.kernels.fwd import _kv_rows
+from tritonattn.kernels.variants import Variants
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, O_PART, LSE_PART,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    ALIBI, stride_alibi_b,
+    KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, stride_bt_b, page_size, stride_kpage, stride_vpage,
+    Hq, Hkv, GROUP, Sq, split_len, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
+    split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key)."""
+    pid_s = tl.program_id(0)
+    off_bhk = tl.program_id(1).to(tl.int64)
+    off_b = off_bhk // Hkv
+    off_hk = off_bhk % Hkv
+
+    # rows of the query tile: (query head of the group, query position)
+    offs_r = tl.arange(0, BLOCK_M)
+    head = off_hk * GROUP + offs_r // Sq
+    qi = offs_r % Sq
+    r_ok = offs_r < GROUP * Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    k_start = 0
+    if HAS_LEFTPAD:
+        k_start = tl.load(KV_LEFTPAD + off_b).to(tl.int64)
+    Sk = tl.load(KV_LENS + off_b) - k_start
+    off_bk = off_b
+    if HAS_BATCH_IDX:
+        off_bk = tl.load(KV_BATCH_IDX + off_b).to(tl.int64)
+    p_bt = BLOCK_TABLE
+    if PAGED:
+        p_bt = BLOCK_TABLE + off_b * stride_bt_b
+    else:
+        K += k_start * stride_kn
+        V += k_start * stride_vn
+
+    q = tl.load(Q + off_b * stride_qb + head[:, None].to(tl.int64) * stride_qh + qi[:, None].to(tl.int64) * stride_qm
+                + offs_d[None, :] * stride_qd, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_alibi_b + head, mask=r_ok, other=0.0).to(tl.float32)[:, None] * LOG2E
+    p_k = K + off_bk * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
+    p_v = V + off_bk * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, Sk)
+    for start_n in range(lo, hi, BLOCK_N):
+        cur_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = (cur_n[:, None] < hi) & d_ok[None, :]
+        k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
+                    mask=kv_ok, other=0.0)
+        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+        s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                           p_k, 0, 0, p_k, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
+                           HAS_ALIBI, False, 0)
+        s = tl.where(cur_n[None, :] < hi, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
+                    mask=kv_ok, other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    # partial buffers are contiguous (splits, B, Hq, Sq[, D])
+    row = ((pid_s * (tl.num_programs(1) // Hkv) + off_b) * Hq + head) * Sq + qi
+    tl.store(LSE_PART + row, lse, mask=r_ok)
+    tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Sq,
+    stride_ob, stride_om, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row."""
+    row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
+    off_b = row // (Hq * Sq)
+    off_h = (row // Sq) % Hq
+    off_i = row % Sq
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_splits
+    lse_s = tl.load(LSE_PART + offs_s * rows_per_split + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_sub)
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    o_s = tl.load(O_PART + (offs_s[:, None] * rows_per_split + row) * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    seen = total > 0.0
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
+    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=d_ok)
+
+
+def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
+    """Enough programs for about two waves of the GPU, and splits of at least 256 keys."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, batch * kv_heads)
+    return max(1, min(want, triton.cdiv(capacity, 256), 128))
+
+
+def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
+    """Split-KV attention of q (B, Sq, Hq, D) over the cache described by ``var`` (kv_lens, leftpad,
+    batch index, block table). k / v as the forward kernel takes them. Returns (out, lse)."""
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
+    splits = num_splits if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device)
+    cfg = configs.decode_config(q)
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), cfg.block_n) * cfg.block_n
+    splits = triton.cdiv(capacity, split_len)
+    block_m = max(16, triton.next_power_of_2(group * Sq))
+    o_part = torch.empty((splits, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits, B, Hq, Sq), dtype=torch.float32, device=q.device)
+    c = var.constexprs()
+    cache = var.cache_args(q)
+    _decode_split_kernel[(splits, B * Hkv)](
+        q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
+        *var.alibi_args(q), *cache,
+        Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
+        WIN_LEFT=c["WIN_LEFT"], WIN_RIGHT=c["WIN_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
+        HAS_LEFTPAD=var.kv_leftpad is not None, HAS_BATCH_IDX=var.kv_batch_idx is not None,
+        PAGED=var.block_table is not None,
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    _decode_combine_kernel[(B * Hq * Sq,)](
+        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )
+    return out, lse
