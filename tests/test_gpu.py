@@ -123,3 +123,58 @@ def test_variants_on_gpu(name, B, S, Hq, Hkv, D, kw, dtype, poison):
     grads = torch.autograd.grad(out, wrt, dout)
     check_against_reference(q, k, v, out, lse, grads[:3], dout, kw.get("causal", False), bias=bias,
                             dbias=grads[3] if bias is not None else None, **ref_kw)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_on_gpu(causal, poison):
+    from tritonattn import flash_attn_varlen_func
+
+    torch.manual_seed(1)
+    lens = [4000, 1, 0, 2047, 3333, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total = sum(lens)
+    q = torch.randn(total, 16, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k = torch.randn(total, 4, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    v = torch.randn(total, 4, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for a, z in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if z > a:
+            check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
+                                    tuple(g[a:z][None] for g in grads), dout[a:z][None], causal)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("Sq", [1, 8])
+def test_kvcache_on_gpu(paged, Sq, poison):
+    from tritonattn import flash_attn_with_kvcache
+
+    torch.manual_seed(2)
+    B, Hq, Hkv, D, S = 4, 32, 8, 128, 8192
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE, dtype=BF16)
+    k_cache = torch.randn(B, S, Hkv, D, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn(B, S, Hkv, D, device=DEVICE, dtype=BF16)
+    seqlens = torch.tensor([1, 1000, 5000, S - Sq], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, Sq, Hkv, D, device=DEVICE, dtype=BF16)
+    v_new = torch.randn(B, Sq, Hkv, D, device=DEVICE, dtype=BF16)
+    kw = {}
+    kc, vc = k_cache, v_cache
+    if paged:
+        perm = torch.randperm(B * S // 16, device=DEVICE)
+        kc = torch.empty(B * S // 16, 16, Hkv, D, device=DEVICE, dtype=BF16)
+        vc = torch.empty_like(kc)
+        kc[perm] = k_cache.reshape(-1, 16, Hkv, D)
+        vc[perm] = v_cache.reshape(-1, 16, Hkv, D)
+        kw["block_table"] = perm.reshape(B, S // 16).to(torch.int32)
+    outs = [flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                    num_splits=n, return_softmax_lse=True, **kw) for n in (1, 0)]
+    flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True, **kw)  # append for the check
+    if paged:
+        kc = kc[kw["block_table"].long()].reshape(B, S, Hkv, D)
+        vc = vc[kw["block_table"].long()].reshape(B, S, Hkv, D)
+    for out, lse in outs:
+        for b in range(B):
+            L = int(seqlens[b]) + Sq
+            check_against_reference(q[b:b + 1], kc[b:b + 1, :L], vc[b:b + 1, :L], out[b:b + 1], lse[b:b + 1],
+                                    None, None, True)
