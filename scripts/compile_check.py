@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             for D in (16, 32, 64, 128, 256):
                 for causal in (False, True):
                     plans.append((f"D{D}-{dt}-{'causal' if causal else 'full'}", D, dtypes[dt],
-                                  dict(win_right=0 if causal else -1), {}))
+                                  dict(win_right=0 if causal else None), {}))
     else:
         S = 256
         bias = torch.randn(2, 1, S, S)

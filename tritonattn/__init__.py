@@ -16,10 +16,13 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "patch_sdpa",
+    "scaled_dot_product_attention",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from tritonattn.inference import flash_attn_with_kvcache
+    from tritonattn.integrations.sdpa import patch_sdpa, scaled_dot_product_attention
     from tritonattn.interface import (
         attention,
         flash_attn_func,
@@ -32,6 +35,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str):
+    if name in ("scaled_dot_product_attention", "patch_sdpa"):
+        from tritonattn.integrations import sdpa
+
+        return getattr(sdpa, name)
     if name == "flash_attn_with_kvcache":
         from tritonattn.inference import flash_attn_with_kvcache
 

@@ -97,7 +97,8 @@ def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, c
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
         if alibi_slopes.stride(-1) != 1:
             alibi_slopes = alibi_slopes.contiguous()
-    var = Variants(softmax_scale=scale, win_left=left, win_right=right, softcap=float(softcap),
+    var = Variants(softmax_scale=scale, win_left=None if left == -1 else left,
+                   win_right=None if right == -1 else right, softcap=float(softcap),
                    alibi_slopes=alibi_slopes, dropout_p=float(dropout_p))
     if dropout_p > 0:
         # drawn from the device's default generator, so torch.manual_seed makes runs reproducible;

@@ -19,8 +19,8 @@ MASK_NONE, MASK_KEYS, MASK_TILE = 0, 1, 2
 @dataclass
 class Variants:
     softmax_scale: float
-    win_left: int = -1  # -1: unbounded
-    win_right: int = -1  # -1: unbounded; causal is 0
+    win_left: int | None = None  # None: unbounded
+    win_right: int | None = None  # None: unbounded; causal is 0 (top-left causal with Sq != Sk: Sq - Sk)
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None  # fp32 (Hq,) or (B, Hq)
     bias: torch.Tensor | None = None  # float, expanded (stride-0 views) to (B, Hq, Sq, Sk)
@@ -72,7 +72,7 @@ class Variants:
 
     def constexprs(self) -> dict:
         return dict(
-            WIN_LEFT=self.win_left >= 0, WIN_RIGHT=self.win_right >= 0, SOFTCAP=self.softcap > 0,
+            WIN_LEFT=self.win_left is not None, WIN_RIGHT=self.win_right is not None, SOFTCAP=self.softcap > 0,
             HAS_ALIBI=self.alibi_slopes is not None, HAS_BIAS=self.bias is not None,
             MASK_KIND=self.mask_kind, HAS_DROPOUT=self.dropout_p > 0, IS_VARLEN=self.varlen,
         )
@@ -118,4 +118,4 @@ class Variants:
         return qk_scale, 0.0, 0.0
 
     def window_args(self) -> tuple:
-        return max(self.win_left, 0), max(self.win_right, 0)
+        return self.win_left or 0, self.win_right or 0

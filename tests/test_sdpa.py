@@ -1,0 +1,119 @@
+"""The SDPA drop-in against PyTorch's own scaled_dot_product_attention."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+
+import tritonattn
+from tritonattn import patch_sdpa, scaled_dot_product_attention
+from tritonattn.testing import check_close
+
+F16, F32 = torch.float16, torch.float32
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+def _compare(q, k, v, **kw):
+    """Output and gradients (q, k, v and a float mask) against torch's SDPA in fp64 (reference) and
+    in the inputs' dtype (its own error), with the tolerance rule."""
+    leaves = [q, k, v] + ([kw["attn_mask"]] if kw.get("attn_mask") is not None and kw["attn_mask"].requires_grad
+                          else [])
+    out = scaled_dot_product_attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    def torch_run(dtype):
+        ls = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in leaves]
+        kw2 = dict(kw)
+        if len(ls) == 4:
+            kw2["attn_mask"] = ls[3]
+        o = TORCH_SDPA(*[t.cpu() for t in ls[:3]], **{n: (t.cpu() if isinstance(t, torch.Tensor) else t)
+                                                      for n, t in kw2.items()})
+        return o, torch.autograd.grad(o, ls, dout.cpu().to(dtype))
+
+    out_ref, g_ref = torch_run(torch.float64)
+    out_pt, g_pt = torch_run(q.dtype)
+    check_close("out", out, out_ref, out_pt, k=2)
+    magnitude = max(g.abs().max().item() for g in g_ref)
+    for name, g, r, p in zip(("dq", "dk", "dv", "dmask"), grads, g_ref, g_pt):
+        assert g.shape == r.shape
+        check_close(name, g, r, p, k=3, magnitude=magnitude)
+    return out
+
+
+def _qkv(B, Hq, Hkv, Sq, Sk, D, dtype=F16, lead=()):
+    def t(*shape):
+        return torch.randn(*lead, *shape, device=DEVICE).to(dtype).requires_grad_()
+    return t(B, Hq, Sq, D), t(B, Hkv, Sk, D), t(B, Hkv, Sk, D)
+
+
+@pytest.mark.parametrize("Sq,Sk", [(33, 33), (20, 50), (50, 20)])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal-top-left"])
+def test_matches_torch(Sq, Sk, is_causal, poison):
+    torch.manual_seed(Sq + Sk)
+    _compare(*_qkv(2, 4, 4, Sq, Sk, 64), is_causal=is_causal)
+
+
+def test_bool_mask_and_causal_together(poison):
+    torch.manual_seed(1)
+    q, k, v = _qkv(2, 2, 2, 40, 60, 32, F32)
+    mask = torch.rand(2, 1, 40, 60, device=DEVICE) > 0.4
+    _compare(q, k, v, attn_mask=mask)
+    _compare(q, k, v, attn_mask=mask, is_causal=True)
+
+
+def test_float_mask_is_differentiable(poison):
+    torch.manual_seed(2)
+    q, k, v = _qkv(2, 4, 4, 30, 45, 40, F32)
+    bias = torch.randn(1, 4, 30, 45, device=DEVICE, requires_grad=True)
+    _compare(q, k, v, attn_mask=bias, scale=0.3)
+
+
+def test_gqa_and_leading_dims(poison):
+    torch.manual_seed(3)
+    q, k, v = _qkv(2, 8, 2, 25, 25, 64, lead=(3,))
+    _compare(q, k, v, is_causal=True, enable_gqa=True)
+    mask = torch.rand(2, 1, 25, 25, device=DEVICE) > 0.3  # broadcasts over the extra leading dim
+    _compare(q, k, v, attn_mask=mask, enable_gqa=True)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v)
+    q1, k1, v1 = _qkv(1, 4, 1, 10, 12, 16)  # one kv head broadcasts, as in PyTorch
+    _compare(q1, k1, v1)
+
+
+def test_fallback_warns_once_and_matches_torch():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    tritonattn.integrations.sdpa._warned.discard("dtype torch.float64")
+    with pytest.warns(UserWarning, match="falling back to torch's scaled_dot_product_attention"):
+        out = scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.equal(out, TORCH_SDPA(q, q, q, is_causal=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled_dot_product_attention(q, q, q)  # same reason: no second warning
+
+
+def test_patch_sdpa_routes_and_undoes():
+    calls = []
+    real = tritonattn.integrations.sdpa.scaled_dot_product_attention
+
+    with patch_sdpa():
+        assert F.scaled_dot_product_attention is real
+        q, k, v = _qkv(1, 2, 2, 8, 8, 16)
+        F.scaled_dot_product_attention(q, k, v)
+        calls.append(1)
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+    handle = patch_sdpa()
+    assert F.scaled_dot_product_attention is real
+    handle.undo()
+    assert F.scaled_dot_product_attention is TORCH_SDPA and calls
+
+
+def test_dropout_runs_and_is_seeded():
+    q, k, v = _qkv(1, 2, 2, 32, 32, 16)
+    torch.manual_seed(4)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(4)
+    b = scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, scaled_dot_product_attention(q, k, v))

@@ -1,0 +1,1 @@
+"""Adapters from other libraries' attention APIs to tritonattn's public API."""

@@ -1,0 +1,121 @@
+"""A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+Same signature and semantics as PyTorch's: layout ``(..., heads, seqlen, headdim)``, ``is_causal``
+aligned **top-left** (query ``i`` sees keys ``j <= i``, unlike flash-attn's bottom-right), boolean
+masks True = attend, float masks added to the scores and differentiable, broadcasting,
+``enable_gqa``, and ``attn_mask`` together with ``is_causal`` applying both (as PyTorch's math
+backend does). Calls tritonattn cannot serve fall back to PyTorch's own SDPA with a warning, once
+per reason: never a silently different result.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from tritonattn.configs import interpreting
+
+_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
+_warned: set[str] = set()
+
+
+def _fallback_reason(query, key, value, attn_mask) -> str | None:
+    tensors = (query, key, value)
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return "query, key and value must be tensors"
+    if any(t.is_nested for t in tensors):
+        return "nested tensors"
+    if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) for t in tensors):
+        return f"dtype {query.dtype}"
+    if len({t.dtype for t in tensors}) != 1:
+        return "mixed dtypes"
+    dev = query.device
+    if any(t.device != dev for t in tensors) or not (dev.type == "cuda" or (dev.type == "cpu" and interpreting())):
+        return f"tensors on {dev}"
+    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
+        return "fewer than 3 dims or different ranks"
+    if query.shape[-1] > 256 or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+        return "head dims over 256 or different for q, k and v"
+    if attn_mask is not None and (not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested
+                                  or attn_mask.dtype not in (torch.bool, torch.float16, torch.bfloat16,
+                                                             torch.float32)):
+        return "attn_mask type"
+    return None
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """PyTorch's ``scaled_dot_product_attention`` computed by tritonattn's kernels (see the module doc)."""
+    reason = _fallback_reason(query, key, value, attn_mask)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"tritonattn: falling back to torch's scaled_dot_product_attention ({reason})",
+                          stacklevel=2)
+        return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
+
+    from tritonattn.interface import _check_mask_and_bias, _check_options, _check_qkv
+    from tritonattn.ops import FlashAttnFunction
+
+    lead = query.shape[:-3]
+    Hq, Sq, D = query.shape[-3:]
+    Hkv, Sk = key.shape[-3], key.shape[-2]
+    if key.shape[:-3] != lead or value.shape[:-3] != lead or value.shape[-2] != Sk or value.shape[-3] != Hkv:
+        raise RuntimeError(f"scaled_dot_product_attention: shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                           f"{tuple(value.shape)} do not match")
+    if Hq != Hkv and not enable_gqa and Hkv != 1:
+        raise RuntimeError(f"The size of tensor a ({Hq}) must match the size of tensor b ({Hkv}) at non-singleton "
+                           "dimension 1 (pass enable_gqa=True for grouped-query attention)")
+    B = math.prod(lead) if lead else 1
+    # (..., H, S, D) -> (B, S, H, D) views: no copy when the leading dims flatten
+    q = query.reshape(B, Hq, Sq, D).transpose(1, 2)
+    k = key.reshape(B, Hkv, Sk, D).transpose(1, 2)
+    v = value.reshape(B, Hkv, Sk, D).transpose(1, 2)
+    _check_qkv(q, k, v, names=("query", "key", "value"))
+    var = _check_options(q, k, dropout_p, scale, False, (-1, -1), 0.0, None)
+    if is_causal:
+        var.win_right = Sq - Sk  # top-left: j <= i, i.e. j <= i + (Sk - Sq) + (Sq - Sk)
+    bias = mask = None
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
+            m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
+        if m.dtype == torch.bool:
+            mask = m
+        else:
+            bias = m
+    _check_mask_and_bias(q, k, bias, mask, None, var)
+    out, _, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
+
+
+class patch_sdpa:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` to tritonattn, process-wide.
+
+    ``patch_sdpa()`` patches at once and returns a handle whose ``undo()`` restores PyTorch's;
+    ``with patch_sdpa(): ...`` patches for the block only. Models that call
+    ``F.scaled_dot_product_attention`` (looked up at call time) need no edit."""
+
+    def __init__(self) -> None:
+        self._saved = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention
+
+    def undo(self) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self._saved
+
+    def __enter__(self) -> patch_sdpa:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
