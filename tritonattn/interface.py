@@ -16,7 +16,7 @@ import torch
 
 from tritonattn.configs import interpreting
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
-from tritonattn.ops import FlashAttnFunction
+from tritonattn.ops import FlashAttnFunction, apply_compiled
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -199,6 +199,9 @@ def flash_attn_func(
     _check_qkv(q, k, v)
     var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return_probs = return_attn_probs and dropout_p > 0
+    if torch.compiler.is_compiling() and not return_probs:
+        out, lse = apply_compiled(var, q, k, v, None)
+        return _finish(out, lse, None, return_attn_probs)
     out, lse, probs = FlashAttnFunction.apply("none", var, return_probs, q, k, v, None)
     return _finish(out, lse, probs, return_attn_probs)
 
@@ -296,7 +299,10 @@ def attention(
     _check_qkv(q, k, v)
     var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
-    out, lse, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    if torch.compiler.is_compiling():
+        out, lse = apply_compiled(var, q, k, v, bias)
+    else:
+        out, lse, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
     return (out, lse) if return_lse else out
 
 

@@ -66,7 +66,7 @@ def scaled_dot_product_attention(
                            scale=scale, enable_gqa=enable_gqa)
 
     from tritonattn.interface import _check_mask_and_bias, _check_options, _check_qkv
-    from tritonattn.ops import FlashAttnFunction
+    from tritonattn.ops import FlashAttnFunction, apply_compiled
 
     lead = query.shape[:-3]
     Hq, Sq, D = query.shape[-3:]
@@ -96,7 +96,10 @@ def scaled_dot_product_attention(
         else:
             bias = m
     _check_mask_and_bias(q, k, bias, mask, None, var)
-    out, _, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    if torch.compiler.is_compiling():
+        out, _ = apply_compiled(var, q, k, v, bias)
+    else:
+        out, _, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
     return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
 
 
