@@ -5,7 +5,7 @@ PY ?= python3
 .PHONY: setup run test test-gpu bench lint
 
 setup:
-	$(PY) -m pip install -e ".[test,bench]"
+	$(PY) -m pip install -e ".[test,bench,transformers]"
 
 run:  ## the main job: fwd+bwd on a representative shape, checked against the reference, timed
 	$(PY) -m tritonattn
