@@ -1,13 +1,16 @@
 """Time tile-config candidates on the GPU, one kernel family at a time, for the tile table.
 
-For each head dim and mode (fwd, bwd_dkdv, bwd_dq) it forces each candidate through
-``configs.override`` and times the whole forward (mode fwd) or backward (the bwd modes; the other
-backward kernel keeps its table config), median of CUDA events, on the llama shape by default.
-Candidates that fail to launch (shared memory) are reported and skipped. Results: a table on
-stdout, sorted, and a CSV under $OUT. Candidate lists were pre-filtered for register spills and
-shared memory with ``scripts/compile_check.py`` (no GPU needed), see benchmarks/NOTES.md.
+For each head dim, causal setting and mode (fwd, bwd_dkdv, bwd_dq) it forces each candidate
+through ``configs.override`` and times the whole forward (mode fwd) or backward (the bwd modes; the
+other backward kernel keeps its table config), median of CUDA events, on the llama shape for D=128
+and the FlashAttention papers' shape (16k tokens, hidden 2048) otherwise.
 
-    python scripts/tune.py --head-dims 128 --modes fwd bwd_dkdv bwd_dq --causal yes
+Compilation dominates a sweep, so every candidate is first compiled by a pool of worker processes
+(``--workers``, each runs a small problem with the same kernel specialization, filling Triton's disk
+cache); the timing pass then only loads the cached binaries. Candidates that fail to compile or
+launch (shared memory) are reported and skipped. Results: a table on stdout and a CSV under $OUT.
+
+    python scripts/tune.py --head-dims 128 --causal yes no --modes fwd bwd_dkdv bwd_dq
 """
 
 from __future__ import annotations
@@ -16,90 +19,132 @@ import argparse
 import csv
 import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
-from tritonattn import configs, flash_attn_func  # noqa: E402
+from tritonattn import configs  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); for bwd_dkdv BLOCK_N is the key block the program owns
+_FWD = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 128, 8, 2), C(128, 128, 8, 3), C(128, 64, 4, 3),
+        C(64, 64, 4, 3), C(64, 128, 4, 3), C(128, 32, 4, 4), C(128, 32, 8, 4), C(64, 32, 4, 4)]
+_DKDV = [C(64, 128, 8, 2), C(32, 128, 8, 2), C(32, 128, 8, 3), C(16, 128, 8, 3), C(32, 128, 4, 3),
+         C(32, 128, 4, 4), C(64, 64, 4, 3), C(64, 64, 8, 3), C(32, 64, 4, 3), C(16, 64, 4, 4), C(64, 128, 8, 3)]
+_DQ = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(128, 32, 4, 3), C(64, 64, 4, 3),
+       C(64, 32, 4, 4), C(128, 128, 8, 2), C(64, 128, 8, 2), C(128, 32, 8, 4)]
 CANDIDATES = {
-    64: {
-        "fwd": [C(128, 64, 8, 3), C(128, 128, 8, 3), C(128, 64, 4, 3), C(128, 128, 8, 2), C(64, 64, 4, 3)],
-        "bwd_dkdv": [C(64, 128, 8, 2), C(32, 128, 8, 2), C(32, 128, 8, 3), C(16, 128, 8, 3), C(32, 64, 4, 3)],
-        "bwd_dq": [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(64, 64, 4, 3), C(128, 128, 8, 2)],
-    },
-    128: {
-        "fwd": [C(128, 64, 8, 3), C(128, 128, 8, 2), C(128, 128, 8, 3), C(64, 64, 4, 3), C(128, 32, 4, 4)],
-        "bwd_dkdv": [C(64, 128, 8, 2), C(32, 128, 8, 2), C(32, 128, 8, 3), C(16, 128, 8, 3), C(32, 64, 4, 3)],
-        "bwd_dq": [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(64, 64, 4, 3), C(64, 128, 8, 2)],
-    },
+    64: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
+    128: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
     256: {
-        "fwd": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 2), C(64, 64, 4, 3)],
-        "bwd_dkdv": [C(32, 64, 8, 1), C(16, 64, 4, 2), C(16, 128, 8, 2), C(32, 64, 8, 2), C(32, 32, 4, 2)],
-        "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2)],
+        "fwd": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 2), C(64, 64, 4, 3),
+                C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 3)],
+        "bwd_dkdv": [C(32, 64, 8, 1), C(16, 64, 4, 2), C(16, 128, 8, 2), C(32, 64, 8, 2), C(32, 32, 4, 2),
+                     C(16, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 8, 1), C(16, 32, 4, 3)],
+        "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2),
+                   C(64, 32, 8, 2), C(128, 32, 8, 2), C(64, 16, 4, 3)],
     },
 }
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def time_mode(mode: str, B, S, Hq, Hkv, D, causal, dtype) -> float:
+def shape_for(D: int, S: int):
+    """(B, Hq, Hkv): llama for D=128, the FlashAttention papers' 16k tokens x hidden 2048 otherwise."""
+    return (4, 32, 8) if D == 128 else (max(1, 16384 // S), 2048 // D, 2048 // D)
+
+
+def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
+    from tritonattn import flash_attn_func
+
     torch.manual_seed(0)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
     if mode == "fwd":
-        return triton.testing.do_bench(lambda: flash_attn_func(q, k, v, causal=causal), warmup=25, rep=100,
-                                       return_mode="median")
+        return (lambda: flash_attn_func(q, k, v, causal=causal)), None
     out = flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
-    return triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25, rep=100,
-                                   grad_to_none=[q, k, v], return_mode="median")
+    return (lambda: out.backward(dout, retain_graph=True)), [q, k, v]
+
+
+def _compile_jobs(jobs) -> list[str]:
+    """Worker: run each (mode, cfg, D, causal, dtype) once on a small problem with the same
+    specialization as the timed one (sizes and strides divisible by 16), so Triton caches it."""
+    notes = []
+    for mode, cfg, D, causal, dt in jobs:
+        B, Hq, Hkv = shape_for(D, 8192)
+        t0 = time.perf_counter()
+        try:
+            with configs.override(**{mode: C(*cfg)}):
+                fn, _ = make_call(mode, 1, 256, Hq, Hkv, D, causal, DTYPES[dt])
+                fn()
+                torch.cuda.synchronize()
+            notes.append(f"compiled {mode} {cfg} D={D} causal={causal} in {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # noqa: BLE001 - reported by the timing pass too
+            notes.append(f"FAILED {mode} {cfg} D={D} causal={causal}: {type(e).__name__}: {str(e)[:120]}")
+    return notes
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=sorted(CANDIDATES))
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"])
-    p.add_argument("--causal", choices=["yes", "no"], default="yes")
+    p.add_argument("--causal", nargs="+", choices=["yes", "no"], default=["yes"])
     p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     args = p.parse_args(argv)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    causal = args.causal == "yes"
+    import triton.testing
+
+    dtype = DTYPES[args.dtype]
+    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype) for D in args.head_dims for c in args.causal
+            for mode in args.modes for cfg in CANDIDATES[D][mode]]
+    t0 = time.perf_counter()
+    if args.workers > 1:
+        chunks = [plan[i::args.workers] for i in range(args.workers)]
+        ctx = __import__("multiprocessing").get_context("spawn")
+        with ProcessPoolExecutor(args.workers, mp_context=ctx) as ex:
+            for notes in ex.map(_compile_jobs, chunks):
+                for n in notes:
+                    print(n, flush=True)
+    print(f"# precompiled {len(plan)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
+
     rows = []
+    for mode, cfg, D, causal, _ in plan:
+        B, Hq, Hkv = shape_for(D, args.seqlen)
+        flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
+        flops *= 1.0 if mode == "fwd" else 2.5
+        with configs.override(**{mode: C(*cfg)}):
+            try:
+                fn, grads = make_call(mode, B, args.seqlen, Hq, Hkv, D, causal, dtype)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+                tf, note = flops / ms * 1e-9, ""
+            except Exception as e:  # noqa: BLE001 - a config that cannot launch is a result
+                ms, tf, note = float("nan"), 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        torch.cuda.empty_cache()
+        rows.append(dict(D=D, causal=causal, mode=mode, cfg=cfg, ms=ms, tflops=tf, note=note))
+        print(f"D={D} causal={causal:d} {mode:9} {cfg} {ms:8.3f} ms {tf:6.1f} TFLOP/s {note}", flush=True)
+
+    print(f"\n{args.dtype}, S={args.seqlen}, {torch.cuda.get_device_name()}")
+    print("| D | causal | mode | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
     for D in args.head_dims:
-        # llama shape for D=128; the FlashAttention papers' hidden 2048 otherwise
-        B, Hq, Hkv = (4, 32, 8) if D == 128 else (max(1, 16384 // args.seqlen), 2048 // D, 2048 // D)
-        for mode in args.modes:
-            flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
-            flops *= 1.0 if mode == "fwd" else 2.5
-            for cfg in CANDIDATES[D][mode]:
-                with configs.override(**{mode: cfg}):
-                    try:
-                        ms = time_mode(mode, B, args.seqlen, Hq, Hkv, D, causal, dtype)
-                        tf = flops / ms * 1e-9
-                        note = ""
-                    except Exception as e:  # noqa: BLE001 - a config that cannot launch is a result
-                        ms, tf, note = float("nan"), 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                torch.cuda.empty_cache()
-                rows.append(dict(D=D, mode=mode, cfg=tuple(cfg), ms=ms, tflops=tf, note=note))
-                print(f"D={D} {mode:9} {tuple(cfg)} {ms:8.3f} ms {tf:6.1f} TFLOP/s {note}", flush=True)
-    print("\n| D | mode | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config | TFLOP/s |")
-    print("|---|---|---|---|---|---|")
-    for D in args.head_dims:
-        for mode in args.modes:
-            sel = [r for r in rows if r["D"] == D and r["mode"] == mode and r["tflops"] > 0]
-            if not sel:
-                continue
-            best = max(sel, key=lambda r: r["tflops"])
-            table = configs.table_configs()[mode][(D, 2)]
-            cur = next((r for r in sel if r["cfg"] == tuple(table)), None)
-            print(f"| {D} | {mode} | {best['cfg']} | {best['tflops']:.1f} | {tuple(table)} | "
-                  f"{cur['tflops'] if cur else float('nan'):.1f} |")
+        for c in args.causal:
+            for mode in args.modes:
+                sel = [r for r in rows if r["D"] == D and r["causal"] == (c == "yes") and r["mode"] == mode
+                       and r["tflops"] > 0]
+                if not sel:
+                    continue
+                best = max(sel, key=lambda r: r["tflops"])
+                table = tuple(configs.table_configs()[mode][(D, 2)])
+                cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
+                print(f"| {D} | {c} | {mode} | {best['cfg']} | {best['tflops']:.1f} | {table} | {cur:.1f} |")
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, f"tune-{args.causal}.csv"), "w", newline="") as f:
+    name = f"tune-{args.dtype}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
+    with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)

@@ -77,7 +77,7 @@ def test_non_contiguous_grad_output(poison):
     check_against_reference(q, k, v, out, None, grads, dout, causal=True)
 
 
-@pytest.mark.parametrize("softmax_scale", [0.05, 1.0])
+@pytest.mark.parametrize("softmax_scale", [0.05, 1.0, 0.0, -0.3])  # <= 0: the general score path
 def test_softmax_scale(softmax_scale, poison):
     torch.manual_seed(3)
     q, k, v = random_qkv(1, 40, 70, 2, 1, 32, F32, DEVICE)

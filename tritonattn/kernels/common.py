@@ -67,6 +67,17 @@ def head_setup(off_b, off_h, off_bh,
 
 
 @triton.jit
+def in_bounds(i, j, Sq, Sk, win_left, win_right, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """Key ``j`` exists and lies in query ``i``'s window (causal is ``win_right = 0``)."""
+    valid = j < Sk
+    if WIN_RIGHT:
+        valid = valid & (j <= i + (Sk - Sq) + win_right)
+    if WIN_LEFT:
+        valid = valid & (j >= i + (Sk - Sq) - win_left)
+    return valid
+
+
+@triton.jit
 def scores_log2(qk, i, j, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right,
@@ -93,12 +104,7 @@ def scores_log2(qk, i, j, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                     mask=(i < Sq) & (j < Sk), other=0.0)
         s = s + b.to(tl.float32) * LOG2E
     if BOUNDS:
-        valid = j < Sk
-        if WIN_RIGHT:
-            valid = valid & (j <= i + (Sk - Sq) + win_right)
-        if WIN_LEFT:
-            valid = valid & (j >= i + (Sk - Sq) - win_left)
-        s = tl.where(valid, s, float("-inf"))
+        s = tl.where(in_bounds(i, j, Sq, Sk, win_left, win_right, WIN_LEFT, WIN_RIGHT), s, float("-inf"))
     if MASK_KIND == 1:
         keep = tl.load(p_mask + j.to(tl.int64) * stride_mask_n, mask=j < Sk, other=0)
         s = tl.where(keep != 0, s, float("-inf"))

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from tritonattn import configs
-from tritonattn.kernels.common import LN2, dropout_keep, head_setup, key_range, mma, scores_log2, seq_bounds
+from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels.variants import Variants
 
 
@@ -32,10 +32,11 @@ def _fwd_inner(
     win_left, win_right, seed, dropout_p,
     BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, SCALE_POS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One stage of key blocks [lo, hi). BOUNDS=False for blocks every row sees in full."""
+    PLAIN: tl.constexpr = SCALE_POS and not (SOFTCAP or HAS_ALIBI or HAS_BIAS or MASK_KIND != 0)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         cur_n = start_n + offs_n
@@ -45,14 +46,26 @@ def _fwd_inner(
         k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
-        s, _ = scores_log2(qk, offs_m[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
-                           slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
-                           win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                           MASK_KIND)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
+        if PLAIN:
+            # scores are q.k * qk_scale only (qk_scale > 0): take the row max of the raw products and
+            # fold scale and max into one multiply-add per score
+            if BOUNDS:
+                qk = tl.where(in_bounds(offs_m[:, None], cur_n[None, :], Sq, Sk, win_left, win_right,
+                                        WIN_LEFT, WIN_RIGHT), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            if BOUNDS:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        else:
+            s, _ = scores_log2(qk, offs_m[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
+                               slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
+                               win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
+                               MASK_KIND)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
@@ -80,7 +93,8 @@ def _fwd_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     KV_CACHE: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # causal: the last query blocks have the most keys; launch them first for a better tail
@@ -137,7 +151,7 @@ def _fwd_kernel(
             offs_m, offs_n, offs_d, lo, tl.minimum(full_lo, hi),
             Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
             p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
+            True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
             HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
     # unmasked: every row sees every key
     acc, l_i, m_i = _fwd_inner(
@@ -145,7 +159,7 @@ def _fwd_kernel(
             offs_m, offs_n, offs_d, full_lo, full_hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
+        False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
         HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
     # masked: the diagonal / the window's right edge, and the ragged end of the keys
     acc, l_i, m_i = _fwd_inner(
@@ -153,7 +167,7 @@ def _fwd_kernel(
             offs_m, offs_n, offs_d, tl.maximum(full_hi, full_lo), hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
-        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED,
+        True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
         HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
 
     # rows that saw no key: output 0, lse -inf
@@ -193,7 +207,8 @@ def attention_forward(q, k, v, var: Variants):
         *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
         **var.constexprs(), **var.cache_constexprs(),
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
