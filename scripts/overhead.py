@@ -1,0 +1,90 @@
+"""Host-side (Python) overhead per call, on the GPU: tiny problems whose GPU work takes a few
+microseconds, called back to back; the wall time per call is then the host time. Also prints a
+cProfile breakdown of the slowest entry point so the cost can be placed.
+
+    python scripts/overhead.py            # table on stdout, profile under $OUT/overhead-profile.txt
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tritonattn  # noqa: E402
+
+
+def per_call_us(fn, n=300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> int:
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, 128, 4, 64, device=dev, dtype=dt)
+    k = torch.randn(1, 128, 2, 64, device=dev, dtype=dt)
+    v = torch.randn(1, 128, 2, 64, device=dev, dtype=dt)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    kc = torch.randn(1, 1024, 2, 64, device=dev, dtype=dt)
+    vc = torch.randn(1, 1024, 2, 64, device=dev, dtype=dt)
+    q1 = torch.randn(1, 1, 4, 64, device=dev, dtype=dt)
+    seqlens = torch.full((1,), 1000, dtype=torch.int32, device=dev)
+
+    def fwd_bwd():
+        out = tritonattn.flash_attn_func(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    def sdpa_fwd_bwd():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(qt.detach().requires_grad_(), kt.detach().requires_grad_(),
+                                                 vt.detach().requires_grad_(), is_causal=True, enable_gqa=True)
+        out.backward(dout.transpose(1, 2))
+
+    cases = {
+        "flash_attn_func fwd (no grad)": lambda: tritonattn.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func fwd+bwd": fwd_bwd,
+        "flash_attn_with_kvcache (Sq=1, int seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
+            q1, kc, vc, cache_seqlens=1000),
+        "flash_attn_with_kvcache (Sq=1, tensor seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
+            q1, kc, vc, cache_seqlens=seqlens),
+        "tritonattn.scaled_dot_product_attention": lambda: tritonattn.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, enable_gqa=True),
+        "torch SDPA flash fwd (peer)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                               enable_gqa=True),
+        "torch SDPA flash fwd+bwd (peer)": sdpa_fwd_bwd,
+    }
+    print("| entry point | host time per call (us) |\n|---|---|")
+    for name, fn in cases.items():
+        print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
+        for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                cases[name]()
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            f.write(f"## {name} (200 calls)\n{s.getvalue()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
