@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 
     # the table's sm90 configs, as on a CUDA device
-    configs._lookup = lambda mode, q: configs._override.get(mode) or configs._SM90[mode][
-        (configs.padded_head_dim(q.shape[-1]), q.element_size())]
+    configs._lookup = lambda mode, q, causal: configs._override.get(mode) or configs._SM90[mode][
+        (configs.padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
     configs.tile_config = lambda q: configs._TILE[q.element_size()]
     configs.decode_config = lambda q: configs._DECODE[(configs.padded_head_dim(q.shape[-1]), 2)]
 

@@ -69,12 +69,21 @@ def main() -> int:
                                                                                enable_gqa=True),
         "torch SDPA flash fwd+bwd (peer)": sdpa_fwd_bwd,
     }
+    from tritonattn.interface import _check_options
+    from tritonattn.kernels.bwd import attention_backward
+    from tritonattn.kernels.fwd import attention_forward
+
+    var = _check_options(q, k, 0.0, None, True, (-1, -1), 0.0, None)
+    o, lse = attention_forward(q, k, v, var)
+    cases["attention_backward launcher alone (no autograd)"] = lambda: attention_backward(dout, q, k, v, o, lse, var)
+    cases["attention_forward launcher alone"] = lambda: attention_forward(q, k, v, var)
     print("| entry point | host time per call (us) |\n|---|---|")
     for name, fn in cases.items():
         print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
-        for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)"):
+        for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
+                     "attention_backward launcher alone (no autograd)"):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                 if not sel:
                     continue
                 best = max(sel, key=lambda r: r["tflops"])
-                table = tuple(configs.table_configs()[mode][(D, 2)])
+                table = tuple(configs.table_configs()[mode][(D, 2, c == "yes")])
                 cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                 print(f"| {D} | {c} | {mode} | {best['cfg']} | {best['tflops']:.1f} | {table} | {cur:.1f} |")
     out = os.environ.get("OUT", ".")

@@ -181,6 +181,24 @@ def test_dropout_keep_rate():
     assert not torch.equal(s_dmask[0, 0] > 0, s_dmask[1, 0] > 0)
 
 
+def test_dropout_mask_is_the_documented_philox_stream():
+    """The kept entries are exactly those of the documented counter scheme (recomputed in numpy),
+    whatever the tiles: forward, S_dmask and the backward kernels use different block sizes."""
+    from tritonattn import configs
+    from tritonattn.testing import dropout_keep_reference
+
+    q, k, v = random_qkv(2, 37, 75, 2, 1, 16, F16, DEVICE, requires_grad=False)
+    torch.manual_seed(9)
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=DEVICE))
+    masks = []
+    for tile in (None, configs.TileConfig(16, 16, 4, 1)):
+        with configs.override(**({"tile": tile, "fwd": configs.TileConfig(16, 32, 4, 1)} if tile else {})):
+            _, _, s_dmask = _dropout_run(q, k, v, 0.3, seed=9)
+        masks.append(s_dmask.cpu() > 0)  # every probability is > 0 here (no mask)
+    assert torch.equal(masks[0], masks[1])
+    assert torch.equal(masks[0], dropout_keep_reference(seed, 2, 2, 37, 75, 0.3))
+
+
 COMBOS = [
     # (B, Sq, Sk, Hq, Hkv, D, causal, window, softcap, alibi, dropout, bias_shape, dtype)
     (2, 65, 129, 4, 2, 40, True, (24, -1), 8.0, True, 0.2, (2, 1, 65, 129), F16),

@@ -46,28 +46,32 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 C = TileConfig
-# mode -> {(padded head dim, element bytes): config}. Modes: fwd, bwd_dkdv, bwd_dq.
+# mode -> {(padded head dim, element bytes, causal): config}. Modes: fwd, bwd_dkdv, bwd_dq.
+# bf16 / fp16 (element bytes 2): the fastest candidate of scripts/tune.py on the H200, S=8192, bf16
+# (llama shape at D=128, 16k tokens x hidden 2048 at D=64 / 256), 2026-11-29; figures in
+# benchmarks/NOTES.md. D=16 / 32 take D=64's entries (not measured separately).
 # fp32 (element bytes 4) uses 32x32 tiles: its ieee dots compile to unrolled FMA code, and 64x32
 # tiles took 100-200 s to compile per head dim on the H200; fp32 is the accuracy path, not the fast one.
+_MEASURED = {
+    # D: {mode: (non-causal config, causal config)}
+    64: {"fwd": (C(128, 64, 8, 3), C(128, 64, 8, 3)),
+         "bwd_dkdv": (C(32, 128, 4, 3), C(32, 128, 4, 4)),
+         "bwd_dq": (C(128, 64, 8, 3), C(128, 64, 8, 3))},
+    128: {"fwd": (C(128, 128, 8, 3), C(128, 128, 8, 3)),
+          "bwd_dkdv": (C(64, 128, 8, 3), C(32, 64, 4, 3)),
+          "bwd_dq": (C(128, 64, 8, 3), C(128, 64, 8, 3))},
+    256: {"fwd": (C(128, 64, 8, 2), C(128, 64, 8, 2)),
+          "bwd_dkdv": (C(32, 32, 4, 2), C(32, 64, 8, 2)),
+          "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
+}
+_FP32 = C(32, 32, 4, 1)
 _SM90 = {
-    "fwd": {
-        (16, 2): C(128, 64, 4, 3), (32, 2): C(128, 64, 4, 3), (64, 2): C(128, 64, 4, 3),
-        (128, 2): C(128, 64, 8, 3), (256, 2): C(64, 64, 4, 2),
-        (16, 4): C(32, 32, 4, 1), (32, 4): C(32, 32, 4, 1), (64, 4): C(32, 32, 4, 1),
-        (128, 4): C(32, 32, 4, 1), (256, 4): C(32, 32, 4, 1),
-    },
-    "bwd_dkdv": {
-        (16, 2): C(64, 128, 8, 2), (32, 2): C(64, 128, 8, 2), (64, 2): C(64, 128, 8, 2),
-        (128, 2): C(64, 128, 8, 2), (256, 2): C(32, 64, 8, 1),
-        (16, 4): C(32, 32, 4, 1), (32, 4): C(32, 32, 4, 1), (64, 4): C(32, 32, 4, 1),
-        (128, 4): C(32, 32, 4, 1), (256, 4): C(32, 32, 4, 1),
-    },
-    "bwd_dq": {
-        (16, 2): C(128, 64, 8, 2), (32, 2): C(128, 64, 8, 2), (64, 2): C(128, 64, 8, 2),
-        (128, 2): C(128, 64, 8, 2), (256, 2): C(64, 32, 8, 1),
-        (16, 4): C(32, 32, 4, 1), (32, 4): C(32, 32, 4, 1), (64, 4): C(32, 32, 4, 1),
-        (128, 4): C(32, 32, 4, 1), (256, 4): C(32, 32, 4, 1),
-    },
+    mode: {
+        **{(d, 2, causal): _MEASURED[max(d, 64)][mode][causal] for d in (16, 32, 64, 128, 256)
+           for causal in (False, True)},
+        **{(d, 4, causal): _FP32 for d in (16, 32, 64, 128, 256) for causal in (False, True)},
+    }
+    for mode in ("fwd", "bwd_dkdv", "bwd_dq")
 }
 # Under the interpreter: unequal block sizes (so block-range arithmetic that assumes
 # BLOCK_M == BLOCK_N fails the tests) and few enough iterations to keep CI fast.
@@ -102,30 +106,36 @@ def override(**modes: TileConfig):
         _override.update(saved)
 
 
-def table_configs() -> dict[str, dict[tuple[int, int], TileConfig]]:
+def table_configs() -> dict[str, dict[tuple[int, int, bool], TileConfig]]:
     """Every config the GPU table can pick (the GPU test tier runs each of them)."""
     return _SM90
 
 
-def _lookup(mode: str, q: torch.Tensor) -> TileConfig:
+def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
     if mode in _override:
         return _override[mode]
     if q.device.type != "cuda":
         return _INTERP[mode]
     # sm90 table; other arches use it too until they have measurements of their own
-    return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size())]
+    return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
 
 
-def forward_config(q: torch.Tensor, causal: bool) -> TileConfig:
-    return _lookup("fwd", q)
+def forward_config(q: torch.Tensor, causal: bool, reads_tiles: bool = False) -> TileConfig:
+    """``reads_tiles``: a bias or boolean mask tile is read next to each score tile; with 128-key
+    blocks its pipelined copies need more shared memory than an H200 block may have (360 KB at
+    D=128, found by scripts/compile_check.py), so the key block is capped at 64."""
+    cfg = _lookup("fwd", q, causal)
+    if reads_tiles and "fwd" not in _override and cfg.block_n > 64:
+        cfg = cfg._replace(block_n=64)
+    return cfg
 
 
 def backward_dkdv_config(q: torch.Tensor, causal: bool) -> TileConfig:
-    return _lookup("bwd_dkdv", q)
+    return _lookup("bwd_dkdv", q, causal)
 
 
 def backward_dq_config(q: torch.Tensor, causal: bool) -> TileConfig:
-    return _lookup("bwd_dq", q)
+    return _lookup("bwd_dq", q, causal)
 
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:

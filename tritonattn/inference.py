@@ -7,6 +7,7 @@ which reads paged caches through the block table row by row.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
         out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+@functools.lru_cache(maxsize=256)
+def _filled(B: int, value: int, device: torch.device) -> torch.Tensor:
+    """int32 (B,) filled with ``value``, kept between calls (host time: no allocation and fill per
+    decoding step); only ever read."""
+    return torch.full((B,), value, dtype=torch.int32, device=device)
 
 
 def _int_tensor(name: str, t, B: int, device) -> torch.Tensor | None:
@@ -123,11 +131,11 @@ def flash_attn_with_kvcache(
     leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
 
     if cache_seqlens is None:
-        seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+        seqlens = _filled(B, capacity, q.device)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
-        seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+        seqlens = _filled(B, cache_seqlens, q.device)
     else:
         seqlens = _int_tensor("cache_seqlens", cache_seqlens, B, q.device)
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.configs import interpreting
+from tritonattn.kernels.bwd import attention_probs
+from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 from tritonattn.ops import FlashAttnFunction, apply_compiled
 
@@ -149,6 +151,10 @@ def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> N
             var.mask, var.mask_kind = m, MASK_TILE
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _finish(out: torch.Tensor, lse: torch.Tensor, probs, return_attn_probs: bool) -> Returned:
     return (out, lse, probs) if return_attn_probs else out
 
@@ -202,6 +208,10 @@ def flash_attn_func(
     if torch.compiler.is_compiling() and not return_probs:
         out, lse = apply_compiled(var, q, k, v, None)
         return _finish(out, lse, None, return_attn_probs)
+    if not _needs_grad(q, k, v):  # inference: skip the autograd machinery (host time per call)
+        out, lse = attention_forward(q, k, v, var)
+        probs = attention_probs(q, k, v, lse, var) if return_probs else None
+        return _finish(out, lse, probs, return_attn_probs)
     out, lse, probs = FlashAttnFunction.apply("none", var, return_probs, q, k, v, None)
     return _finish(out, lse, probs, return_attn_probs)
 

@@ -155,3 +155,30 @@ def check_close(name: str, actual: torch.Tensor, ref: torch.Tensor, same_dtype: 
     floor = rounding_floor(ref[fin], dtype) + REL_FLOOR * magnitude
     bound = k * base + floor
     assert err <= bound, f"{name}: max error {err:.3e} > {k} x torch's {base:.3e} + floor {floor:.3e}"
+
+
+def dropout_keep_reference(seed: int, B: int, H: int, Sq: int, Sk: int, dropout_p: float) -> torch.Tensor:
+    """The dropout keep-mask ``(B, H, Sq, Sk)`` that the kernels draw, recomputed with numpy from the
+    documented scheme (tritonattn/kernels/common.py, ``dropout_keep``): Philox-4x32-10 keyed by
+    ``seed + (b * H + h) * 1000003``, counters (key // 8, query, 0, 0); key 8g + s takes the 16-bit
+    half s % 2 (low first) of word s // 2; kept when >= round(p * 65536)."""
+    import numpy as np
+
+    M = np.uint64(0xFFFFFFFF)
+    thr = int(np.float32(dropout_p) * np.float32(65536.0) + np.float32(0.5))
+    i = np.arange(Sq, dtype=np.uint64)[:, None]
+    g = np.arange((Sk + 7) // 8, dtype=np.uint64)[None, :]
+    out = np.zeros((B, H, Sq, Sk), dtype=bool)
+    for bh in range(B * H):
+        key = (seed + bh * 1000003) & 0xFFFFFFFFFFFFFFFF
+        k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+        c0, c1 = g + np.zeros_like(i), i + np.zeros_like(g)
+        c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+        for _ in range(10):
+            p0, p1 = np.uint64(0xCD9E8D57) * c2, np.uint64(0xD2511F53) * c0
+            c0, c1, c2, c3 = (p0 >> np.uint64(32)) ^ c1 ^ k0, p0 & M, (p1 >> np.uint64(32)) ^ c3 ^ k1, p1 & M
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & M, (k1 + np.uint64(0xBB67AE85)) & M
+        halves = [w >> np.uint64(sh) & np.uint64(0xFFFF) for w in (c0, c1, c2, c3) for sh in (0, 16)]
+        bits = np.stack(halves, axis=-1).reshape(Sq, -1)[:, :Sk]  # key 8g + s -> halves[s]
+        out[bh // H, bh % H] = bits >= thr
+    return torch.from_numpy(out)

@@ -34,12 +34,11 @@ def _load_lse2(p_lse, offs_m, m_ok):
 
 
 @triton.jit
-def _grad_scores(p, dp, delta, t, seed, i, j, Sk, dropout_p,
-                 SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+def _grad_scores(p, dp, delta, t, keep, dropout_p, SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """From P and dP = dO V^T: ``ds`` (gradient of the final scores: dBias) and ``ds_qk`` (of the
-    raw q.k, without the softmax scale), and P with dropout applied (for dV)."""
+    raw q.k, without the softmax scale), and P with dropout applied (for dV). ``keep``: the
+    dropout mask of the tile (ignored without dropout)."""
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, i, j, Sk, dropout_p)
         rescale = 1.0 / (1.0 - dropout_p)
         p_drop = tl.where(keep, p * rescale, 0.0)
         ds = p * (tl.where(keep, dp * rescale, 0.0) - delta)
@@ -84,14 +83,15 @@ def _bwd_preprocess_kernel(
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     p_q, p_do, p_lse, p_delta, stride_qm, stride_dom,
-    offs_n, offs_mb, offs_d, lo, hi, Sq, Sk,
+    start_n, offs_n, offs_mb, offs_d, lo, hi, Sq, Sk,
     qk_scale, softcap_scale, softcap_log2, slope2,
     p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
     win_left, win_right, seed, dropout_p,
     BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
@@ -114,8 +114,10 @@ def _bwd_dkdv_inner(
                                HAS_BIAS, MASK_KIND)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dp_t = mma(v, tl.trans(do), None, DOT_FP32, PRECISION)
-        _, ds_t, p_t = _grad_scores(p_t, dp_t, delta[None, :], t_t, seed, offs_m[None, :], offs_n[:, None], Sk,
-                                    dropout_p, SOFTCAP, HAS_DROPOUT)
+        keep_t = 0
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, True)
+        _, ds_t, p_t = _grad_scores(p_t, dp_t, delta[None, :], t_t, keep_t, dropout_p, SOFTCAP, HAS_DROPOUT)
         dv = mma(p_t.to(do.dtype), do, dv, DOT_FP32, PRECISION)
         dk = mma(ds_t.to(q.dtype), q, dk, DOT_FP32, PRECISION)
     return dk, dv
@@ -182,28 +184,28 @@ def _bwd_dkdv_kernel(
                                                   HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
         if WIN_RIGHT:  # masked: the diagonal / the window's right edge
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
                 lo, tl.minimum(full_lo, hi), Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+            dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
             full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, offs_n, offs_mb, offs_d,
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
                 tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, DOT_FP32, PRECISION)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
 
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -241,8 +243,10 @@ def _bwd_dq_inner(
                            MASK_KIND)
         p = tl.math.exp2(s - lse2[:, None])
         dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
-        _, ds, _ = _grad_scores(p, dp, delta[:, None], t, seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p,
-                                SOFTCAP, HAS_DROPOUT)
+        keep = 0
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, False)
+        _, ds, _ = _grad_scores(p, dp, delta[:, None], t, keep, dropout_p, SOFTCAP, HAS_DROPOUT)
         dq = mma(ds.to(k.dtype), k, dq, DOT_FP32, PRECISION)
     return dq
 
@@ -332,7 +336,7 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _tile_probs(
-    Q, K, V, DO, LSE, DELTA, off_b, off_h, off_hk, offs_m, offs_n, offs_d,
+    Q, K, V, DO, LSE, DELTA, off_b, off_h, off_hk, offs_m, start_n, offs_n, offs_d,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -343,7 +347,8 @@ def _tile_probs(
     Hq, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """P (and, WITH_GRAD, dS) of one [BLOCK_M, BLOCK_N] tile of one (batch, head), recomputed
     from Q, K (V, dO) and the LSE. Returns (p, ds, keep)."""
@@ -366,7 +371,7 @@ def _tile_probs(
     p = tl.math.exp2(s - lse2[:, None])
     keep = p == p  # all True
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p)
+        keep = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, False)
     ds = p
     if WITH_GRAD:
         v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn
@@ -375,8 +380,7 @@ def _tile_probs(
                      + offs_d[None, :] * stride_dod, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
         dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
-        ds, _, _ = _grad_scores(p, dp, delta[:, None], t, seed, offs_m[:, None], offs_n[None, :], Sk, dropout_p,
-                                SOFTCAP, HAS_DROPOUT)
+        ds, _, _ = _grad_scores(p, dp, delta[:, None], t, keep, dropout_p, SOFTCAP, HAS_DROPOUT)
     return p, ds, keep
 
 
@@ -432,7 +436,7 @@ def _tile_kernel(
             lse_off = off_b * stride_lse_b + off_h * stride_lse_h + q_start
             p, ds, keep = _tile_probs(
                 Q + q_start * stride_qm, K + k_start * stride_kn, V + k_start * stride_vn, DO + q_start * stride_dom,
-                LSE + lse_off, DELTA + lse_off, off_b, off_h, off_h // GROUP, offs_m, offs_n, offs_d,
+                LSE + lse_off, DELTA + lse_off, off_b, off_h, off_h // GROUP, offs_m, pid_n * BLOCK_N, offs_n, offs_d,
                 stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
                 stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
                 BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
@@ -440,7 +444,7 @@ def _tile_kernel(
                 ALIBI, stride_alibi_b, SEED, dropout_p,
                 Hq, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
                 WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, WITH_GRAD, DOT_FP32, PRECISION)
+                HEAD_DIM, BLOCK_N, WITH_GRAD, DOT_FP32, PRECISION)
             if WITH_GRAD:
                 acc += ds
             else:

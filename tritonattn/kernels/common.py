@@ -116,10 +116,38 @@ def scores_log2(qk, i, j, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
 
 
 @triton.jit
-def dropout_keep(seed, i, j, Sk, dropout_p):
-    """Which probabilities survive dropout: Philox keyed by (seed, batch, head), counter i * Sk + j.
-    The forward and every backward kernel regenerate the same bits; nothing S x S is stored."""
-    return tl.rand(seed, i * Sk + j) >= dropout_p
+def dropout_keep(seed, offs_m, start_n, BLOCK_N: tl.constexpr, dropout_p, TRANS: tl.constexpr):
+    """Which probabilities of a tile survive dropout: queries ``offs_m`` x keys
+    ``start_n .. start_n + BLOCK_N`` (``start_n`` a multiple of 8), ``[BLOCK_M, BLOCK_N]`` or, with
+    TRANS, ``[BLOCK_N, BLOCK_M]``.
+
+    One Philox-4x32-10 call, keyed by ``seed`` (per batch and head), with counters
+    (key // 8, query, 0, 0), gives 4 x 32 random bits: eight 16-bit uniforms for keys 8g .. 8g + 7
+    of one query row. A score is kept when its uniform is >= round(p * 65536), so the drop
+    probability is p to within 2^-17. The bits depend only on (seed, batch, head, query, key), not on
+    the tiling, so the forward and every backward kernel regenerate the same mask; nothing S x S is
+    stored.
+    """
+    G: tl.constexpr = BLOCK_N // 8
+    zero = tl.zeros([offs_m.shape[0], G], tl.uint32)
+    c0 = zero + (start_n // 8 + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + offs_m.to(tl.uint32)[:, None]
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    thr = ((tl.zeros([], tl.float32) + dropout_p) * 65536.0 + 0.5).to(tl.uint32)
+    k0 = (r0 & 0xFFFF) >= thr
+    k1 = (r0 >> 16) >= thr
+    k2 = (r1 & 0xFFFF) >= thr
+    k3 = (r1 >> 16) >= thr
+    k4 = (r2 & 0xFFFF) >= thr
+    k5 = (r2 >> 16) >= thr
+    k6 = (r3 & 0xFFFF) >= thr
+    k7 = (r3 >> 16) >= thr
+    # key 8g + 4a + 2b + c takes k_{4a+2b+c}: join adds a last axis, so the last join is the lowest bit
+    keep = tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+    keep = tl.reshape(keep, [offs_m.shape[0], BLOCK_N])
+    if TRANS:
+        keep = tl.trans(keep)
+    return keep
 
 
 @triton.jit

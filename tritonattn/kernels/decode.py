@@ -8,6 +8,8 @@ a combine kernel merges the splits by their log-sum-exp. The score math (softcap
 causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,9 +135,14 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty), mask=d_ok)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
     """Enough programs for about two waves of the GPU, and splits of at least 256 keys."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = triton.cdiv(2 * sms, batch * kv_heads)
     return max(1, min(want, triton.cdiv(capacity, 256), 128))
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 from tritonattn import configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
-from tritonattn.kernels.variants import Variants
+from tritonattn.kernels.variants import MASK_TILE, Variants
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            p = tl.where(dropout_keep(seed, offs_m[:, None], cur_n[None, :], Sk, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, False), p, 0.0)
         v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
@@ -199,7 +199,7 @@ def attention_forward(q, k, v, var: Variants):
     lse = alloc(var.lse_shape(q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sq == 0:
         return out, lse
-    cfg = configs.forward_config(q, var.causal)
+    cfg = configs.forward_config(q, var.causal, reads_tiles=var.bias is not None or var.mask_kind == MASK_TILE)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     _fwd_kernel[grid](
         q, k, v, out, lse,
