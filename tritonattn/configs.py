@@ -120,12 +120,13 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
     return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
 
 
-def forward_config(q: torch.Tensor, causal: bool, reads_tiles: bool = False) -> TileConfig:
-    """``reads_tiles``: a bias or boolean mask tile is read next to each score tile; with 128-key
-    blocks its pipelined copies need more shared memory than an H200 block may have (360 KB at
-    D=128, found by scripts/compile_check.py), so the key block is capped at 64."""
+def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
+    """``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
+    reshapes its random bits through shared memory; with 128-key blocks these need more shared
+    memory than an H200 block may have (360 KB with a bias, 240 KB with dropout at D=128, found by
+    scripts/compile_check.py), so the key block is capped at 64."""
     cfg = _lookup("fwd", q, causal)
-    if reads_tiles and "fwd" not in _override and cfg.block_n > 64:
+    if extra_smem and "fwd" not in _override and cfg.block_n > 64:
         cfg = cfg._replace(block_n=64)
     return cfg
 

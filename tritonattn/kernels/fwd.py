@@ -199,7 +199,8 @@ def attention_forward(q, k, v, var: Variants):
     lse = alloc(var.lse_shape(q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sq == 0:
         return out, lse
-    cfg = configs.forward_config(q, var.causal, reads_tiles=var.bias is not None or var.mask_kind == MASK_TILE)
+    cfg = configs.forward_config(q, var.causal, extra_smem=var.bias is not None or var.mask_kind == MASK_TILE
+                                 or var.dropout_p > 0)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     _fwd_kernel[grid](
         q, k, v, out, lse,
