@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -177,7 +178,7 @@ def compile_check(report: Report, name: str, block_cls, shape: dict, dtype, step
         out_c, g_c = step(compiled)
         sync()
     except Exception as e:  # a graph break raises under fullgraph=True
-        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        error = _first_line(e)
     compile_s = time.perf_counter() - t0
     breaks = sum(counters["graph_break"].values())
     if error is not None:
@@ -257,7 +258,7 @@ def markov_data(n_seq: int, seqlen: int, vocab: int, seed: int, successors: int 
 def train(transformers, attn: str, init_state: dict, config, data, args, dtype) -> tuple[list[float], list[float]]:
     model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(init_state)
-    model = model.to(DEVICE, dtype)
+    model = model.to(DEVICE, torch.float32 if args.autocast else dtype)
     model.set_attn_implementation(attn)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -267,7 +268,8 @@ def train(transformers, attn: str, init_state: dict, config, data, args, dtype) 
     for s in range(args.steps):
         batch = data[s * args.batch:(s + 1) * args.batch]
         timer.start()
-        loss = model(input_ids=batch, labels=batch).loss
+        with torch.autocast(DEVICE, dtype=dtype, enabled=args.autocast):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -304,9 +306,11 @@ def run_convergence(report: Report, args, dtype) -> None:
     n_params = sum(t.numel() for t in init_state.values())
     data, chain_ent = markov_data(args.steps * args.batch, args.seqlen, c["vocab_size"], args.seed + 1)
     data = data.to(DEVICE)
+    precision = (f"fp32 weights and AdamW state, {_dt(dtype)} autocast" if args.autocast
+                 else f"weights and AdamW state in {_dt(dtype)}")
     report(f"Llama from config ({n_params / 1e6:.1f}M params: hidden {c['hidden_size']}, {c['num_hidden_layers']} "
            f"layers, heads {c['num_attention_heads']}/{c['num_key_value_heads']}, vocab {c['vocab_size']}), "
-           f"seed {args.seed}, weights and AdamW state in {_dt(dtype)} (lr {args.lr}, betas 0.9/0.95, "
+           f"seed {args.seed}, {precision} (AdamW lr {args.lr}, betas 0.9/0.95, "
            f"wd 0.1, warm-up {max(1, args.steps // 10)} steps, clip 1.0), batch {args.batch} x seqlen "
            f"{args.seqlen}, {args.steps} steps, no padding (causal). transformers {transformers.__version__}.")
     report(f"Data: Markov chain segment + its copy; loss at uniform {math.log(c['vocab_size']):.2f}, chain-only floor "
@@ -346,6 +350,11 @@ def run_convergence(report: Report, args, dtype) -> None:
         report.fail(f"convergence: relative difference {rel:.2e} (tol {tol:.0e}), finite {finite}, learned {learned}")
 
 
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+
+
 def _dt(dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
@@ -360,6 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, help="loss rows every N steps (default 25; tiny 5)")
     p.add_argument("--compile-steps", type=int, help="timed fwd+bwd steps per compile case (default 20; tiny 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autocast", action="store_true",
+                   help="train with fp32 weights under bf16 autocast instead of bf16 weights")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     args = p.parse_args(argv)
@@ -381,20 +392,27 @@ def main(argv=None) -> int:
     report(f"{where}; torch {torch.__version__}, triton {triton.__version__}, mode {'tiny' if args.tiny else 'full'}, "
            f"{_dt(dtype)}")
     report()
-    if not args.skip_compile:
-        run_compile(report, args, dtype)
-    if not args.skip_convergence:
-        run_convergence(report, args, dtype)
-    report("## Result")
-    report()
-    for f in report.failures:
-        report(f"- FAIL {f}")
-    report(f"{'FAIL' if report.failures else 'PASS'} ({len(report.failures)} failure(s), "
-           f"{time.perf_counter() - t_start:.0f} s)")
-    if os.environ.get("OUT"):
-        os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "integration.md"), "w") as f:
-            f.write("\n".join(report.lines) + "\n")
+    try:
+        for skip, part in ((args.skip_compile, run_compile), (args.skip_convergence, run_convergence)):
+            if skip:
+                continue
+            try:  # one part crashing still lets the other run (one GPU call gets both results)
+                part(report, args, dtype)
+            except Exception as e:
+                traceback.print_exc()
+                report(f"\n{part.__name__} crashed: {_first_line(e)}\n")
+                report.fail(f"{part.__name__} crashed ({type(e).__name__})")
+        report("## Result")
+        report()
+        for f in report.failures:
+            report(f"- FAIL {f}")
+        report(f"{'FAIL' if report.failures else 'PASS'} ({len(report.failures)} failure(s), "
+               f"{time.perf_counter() - t_start:.0f} s)")
+    finally:
+        if os.environ.get("OUT"):
+            os.makedirs(os.environ["OUT"], exist_ok=True)
+            with open(os.path.join(os.environ["OUT"], "integration.md"), "w") as f:
+                f.write("\n".join(report.lines) + "\n")
     return 1 if report.failures else 0
 
 

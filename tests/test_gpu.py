@@ -177,3 +177,35 @@ def test_kvcache_on_gpu(paged, Sq, poison):
             L = int(seqlens[b]) + Sq
             check_against_reference(q[b:b + 1], kc[b:b + 1, :L], vc[b:b + 1, :L], out[b:b + 1], lse[b:b + 1],
                                     None, None, True)
+
+
+def test_fast_launch_path_matches_plain_path(poison):
+    """Repeated calls take the cached launch (tritonattn/kernels/launch.py); a misaligned view of the
+    same shape and strides must not reuse the aligned kernel, and every result equals the plain path."""
+    from tritonattn.kernels import launch
+
+    torch.manual_seed(0)
+    base = torch.randn(2, 300, 4, 65, device=DEVICE, dtype=BF16)
+    aligned = base[..., :64]
+    misaligned = base[..., 1:]  # data pointer 2 bytes off: Triton specializes pointer alignment
+    k = torch.randn(2, 300, 2, 64, device=DEVICE, dtype=BF16)
+    v = torch.randn(2, 300, 2, 64, device=DEVICE, dtype=BF16)
+    outs = []
+    for q in (aligned, misaligned, aligned, misaligned):
+        launch.ENABLED = True
+        fast = [flash_attn_func(q, k, v, causal=True) for _ in range(2)]
+        launch.ENABLED = False
+        plain = flash_attn_func(q, k, v, causal=True)
+        launch.ENABLED = True
+        assert torch.equal(fast[0], plain) and torch.equal(fast[1], plain)
+        outs.append(plain)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    # and the misaligned view through the whole forward + backward, against the reference
+    base = base.detach().requires_grad_()
+    k, v = k.requires_grad_(), v.requires_grad_()
+    q = base[..., 1:]
+    for _ in range(2):  # the second call takes the cached launches
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_against_reference(q, k, v, out, lse, grads, dout, True)

@@ -22,6 +22,7 @@ from tritonattn.kernels.common import (
     scores_log2,
     seq_bounds,
 )
+from tritonattn.kernels.launch import launch
 from tritonattn.kernels.variants import Variants
 
 
@@ -463,15 +464,16 @@ def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h
     _, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     cfg = configs.tile_config(q)
     grid = (triton.cdiv(Sq, cfg.block_m), triton.cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
-    _tile_kernel[grid](
+    launch(_tile_kernel, grid, (
         q, k, v, do, lse, delta, out,
         *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
         *var.kernel_args(q), *var.seq_args(q, lse),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(), sum_b, sum_h, out.shape[1],
+    ), dict(
         **var.constexprs(),
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WITH_GRAD=with_grad, **_dot_args(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ))
 
 
 def attention_probs(q, k, v, lse, var: Variants):
@@ -516,24 +518,27 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     delta = torch.empty_like(lse)
     cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
     pre = configs.preprocess_config(q)
-    _bwd_preprocess_kernel[(triton.cdiv(Sq, pre.block_m), B * Hq)](
+    launch(_bwd_preprocess_kernel, (triton.cdiv(Sq, pre.block_m), B * Hq), (
         out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
+    ), dict(
         IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
-    )
+    ))
 
     cfg = configs.backward_dkdv_config(q, var.causal)
-    _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    launch(_bwd_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv), (
         q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv), *var_args,
         Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+    ), dict(
         **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ))
 
     cfg = configs.backward_dq_config(q, var.causal)
-    _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+    launch(_bwd_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
         q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
         Hq, Hq // Hkv, Sq, Sk, *scales,
+    ), dict(
         **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ))
 
     dbias = None
     if bias_shape is not None:

@@ -17,6 +17,7 @@ import triton.language as tl
 from tritonattn import configs
 from tritonattn.kernels.common import LN2, LOG2E, mma, scores_log2
 from tritonattn.kernels.fwd import _kv_rows
+from tritonattn.kernels.launch import launch
 from tritonattn.kernels.variants import Variants
 
 
@@ -162,21 +163,23 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     lse_part = torch.empty((splits, B, Hq, Sq), dtype=torch.float32, device=q.device)
     c = var.constexprs()
     cache = var.cache_args(q)
-    _decode_split_kernel[(splits, B * Hkv)](
+    launch(_decode_split_kernel, (splits, B * Hkv), (
         q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
+    ), dict(
         WIN_LEFT=c["WIN_LEFT"], WIN_RIGHT=c["WIN_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
         HAS_LEFTPAD=var.kv_leftpad is not None, HAS_BATCH_IDX=var.kv_batch_idx is not None,
         PAGED=var.block_table is not None,
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ))
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _decode_combine_kernel[(B * Hq * Sq,)](
+    launch(_decode_combine_kernel, (B * Hq * Sq,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
+    ), dict(
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, triton.next_power_of_2(splits)),
-    )
+    ))
     return out, lse

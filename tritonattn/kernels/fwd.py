@@ -5,6 +5,7 @@ import triton.language as tl
 
 from tritonattn import configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
+from tritonattn.kernels.launch import launch
 from tritonattn.kernels.variants import MASK_TILE, Variants
 
 
@@ -202,15 +203,16 @@ def attention_forward(q, k, v, var: Variants):
     cfg = configs.forward_config(q, var.causal, extra_smem=var.bias is not None or var.mask_kind == MASK_TILE
                                  or var.dropout_p > 0)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    _fwd_kernel[grid](
+    launch(_fwd_kernel, grid, (
         q, k, v, out, lse,
         *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
         *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
         Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
+    ), dict(
         **var.constexprs(), **var.cache_constexprs(),
         SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ))
     return out, lse

@@ -1,0 +1,64 @@
+"""Kernel launches with little host time.
+
+``JITFunction.__getitem__(grid)(...)`` spends most of a small call's host time (about 40 of the
+71 microseconds of a forward launch on the H200, scripts/overhead.py) binding and specializing
+arguments before it reaches the C launcher. Here the compiled kernel of a call is cached under a key
+that fixes Triton's specialization exactly: the values of the integer arguments (Triton specializes
+integers on == 1, divisibility by 16 and 32/64-bit range, all functions of the value), the dtype and
+16-byte alignment of each tensor (what Triton specializes pointers on), the type of the other
+arguments, the constexprs and the launch options. A repeated call (same shapes, strides and flags:
+every training step, every decoding step) goes straight to the C launcher; a new key takes Triton's
+own path once, which compiles if needed and returns the kernel that is then cached.
+
+Off under the interpreter, and whenever Triton's launch hooks are set (profilers), where the plain
+path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tritonattn.configs import interpreting
+
+ENABLED = True  # scripts/compile_check.py turns it off (it compiles without launching)
+_MAX_ENTRIES = 4096
+_cache: dict = {}
+_tail_names: dict = {}
+
+
+def _key_of(a):
+    t = type(a)
+    if t is int:
+        return a
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if a is None:
+        return None
+    return t
+
+
+def launch(fn, grid, args: tuple, kwargs: dict) -> None:
+    """``fn[grid](*args, **kwargs)``: args are the runtime arguments in order, kwargs every
+    constexpr plus num_warps / num_stages."""
+    if not ENABLED or interpreting() or triton.knobs.runtime.launch_enter_hook is not None:
+        fn[grid](*args, **kwargs)
+        return
+    key = (fn, grid.__len__(), tuple(map(_key_of, args)), tuple(kwargs.items()), args[0].device.index)
+    kernel = _cache.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **kwargs)
+        if hasattr(kernel, "result"):  # asynchronous compilation: keep the plain path
+            return
+        names = _tail_names.get(fn)
+        if names is None:
+            names = _tail_names[fn] = tuple(fn.arg_names[len(args):])
+        if len(_cache) >= _MAX_ENTRIES:
+            _cache.clear()
+        _cache[key] = (kernel, tuple(kwargs[n] for n in names))
+        return
+    kernel, tail = kernel
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
