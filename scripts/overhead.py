@@ -80,6 +80,11 @@ def main() -> int:
     print("| entry point | host time per call (us) |\n|---|---|")
     for name, fn in cases.items():
         print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+    import triton
+
+    from tritonattn.kernels import launch
+    print(f"\ncached launches: {len(launch._cache)}; Triton launch_enter_hook set: "
+          f"{triton.knobs.runtime.launch_enter_hook is not None}")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
         for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",

@@ -1,5 +1,5 @@
 """scripts/integration_gpu.py --tiny runs end to end (torch.compile with inductor, and when transformers is
-installed the sdpa-vs-tritonattn training comparison) and writes its markdown report. About 80 s on a
+installed the sdpa-vs-tritonattn training comparison) and writes its markdown report. About 65 s on a
 2-core CPU under the interpreter."""
 
 import importlib.util

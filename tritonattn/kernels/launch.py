@@ -10,8 +10,8 @@ arguments, the constexprs and the launch options. A repeated call (same shapes, 
 every training step, every decoding step) goes straight to the C launcher; a new key takes Triton's
 own path once, which compiles if needed and returns the kernel that is then cached.
 
-Off under the interpreter, and whenever Triton's launch hooks are set (profilers), where the plain
-path runs.
+Triton's launch hooks (profilers) are honoured as JITFunction.run honours them. Off under the
+interpreter.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _key_of(a):
 def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``: args are the runtime arguments in order, kwargs every
     constexpr plus num_warps / num_stages."""
-    if not ENABLED or interpreting() or triton.knobs.runtime.launch_enter_hook is not None:
+    if not ENABLED or interpreting():
         fn[grid](*args, **kwargs)
         return
     key = (fn, grid.__len__(), tuple(map(_key_of, args)), tuple(kwargs.items()), args[0].device.index)
@@ -61,4 +61,8 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    hooks = triton.knobs.runtime
+    enter = hooks.launch_enter_hook
+    meta = None if enter is None else kernel.launch_metadata(grid, stream, *args, *tail)
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, hooks.launch_exit_hook,
+               *args, *tail)
