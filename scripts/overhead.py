@@ -83,8 +83,18 @@ def main() -> int:
     import triton
 
     from tritonattn.kernels import launch
-    print(f"\ncached launches: {len(launch._cache)}; Triton launch_enter_hook set: "
-          f"{triton.knobs.runtime.launch_enter_hook is not None}")
+    hook = triton.knobs.runtime.launch_enter_hook
+    hook_name = None if hook is None else f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', hook)}"
+    print(f"\ncached launches: {len(launch._cache)}; Triton launch_enter_hook: {hook_name}")
+    # the same calls with the hook removed: what a process without it (a profiler, an image's
+    # instrumentation) pays
+    triton.knobs.runtime.launch_enter_hook = None
+    exit_hook, triton.knobs.runtime.launch_exit_hook = triton.knobs.runtime.launch_exit_hook, None
+    print("\n| entry point, no launch hooks | host time per call (us) |\n|---|---|")
+    for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
+                 "attention_forward launcher alone", "torch SDPA flash fwd (peer)"):
+        print(f"| {name} | {per_call_us(cases[name]):.1f} |", flush=True)
+    triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook = hook, exit_hook
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
         for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
