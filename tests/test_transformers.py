@@ -41,6 +41,22 @@ def test_logits_and_grads_match_sdpa(padded):
         assert (a - b).abs().max().item() < 1e-4 * max(1.0, a.abs().max().item())
 
 
+def test_autocast_with_fp32_weights():
+    """Under autocast the rotary embeddings hand back fp32 q / k next to a low-precision v; the backend
+    casts them to the autocast dtype (as transformers' sdpa path does) instead of refusing."""
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    low = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # bf16 dots are wrong in the interpreter
+    losses = []
+    for attn in ("sdpa", "tritonattn"):
+        model = _model(attn)
+        with torch.autocast(torch.device(DEVICE).type, dtype=low):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        losses.append(out.loss.item())
+    assert abs(losses[0] - losses[1]) < 2e-2 * losses[0], losses
+
+
 def test_generate_matches_sdpa():
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     outs = [_model(a).generate(ids, max_new_tokens=6, do_sample=False) for a in ("sdpa", "tritonattn")]

@@ -10,6 +10,8 @@ treats such names as flash-attn hub kernels.
   for generation with a cache: the new queries are the last ones), GQA without repeat_kv;
 - packed sequences (``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs, batch 1): the varlen path;
 - any other mask: transformers' boolean SDPA-style mask (True = attend) on the mask path;
+- q / k / v of different dtypes (autocast: rotary embeddings return fp32 q / k) are cast to the
+  autocast dtype, or to v's dtype without autocast;
 - ``scaling``, ``dropout``, ``sliding_window`` (window of ``sliding_window - 1`` keys to the left,
   as transformers' flash path) and ``softcap`` are honoured; ``output_attentions=True`` raises.
 """
@@ -44,6 +46,7 @@ def tritonattn_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("tritonattn does not support attention sinks (s_aux)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    query, key, value = _common_dtype(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     opts = dict(softmax_scale=scaling, dropout_p=dropout if module.training else 0.0, window_size=window,
@@ -58,6 +61,19 @@ def tritonattn_attention_forward(
     if attention_mask.dtype != torch.bool:  # an additive float mask
         return attention(q, k, v, bias=attention_mask, **opts), None
     return attention(q, k, v, mask=attention_mask, **opts), None
+
+
+def _common_dtype(query, key, value):
+    """One dtype for q, k, v, as transformers' sdpa and flash paths do: under autocast its dtype
+    (rotary embeddings hand back fp32 q / k next to a bf16 v); otherwise v's when they differ."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        target = torch.get_autocast_dtype(device)
+    elif query.dtype == key.dtype == value.dtype:
+        return query, key, value
+    else:
+        target = value.dtype
+    return query.to(target), key.to(target), value.to(target)
 
 
 def register() -> None:
