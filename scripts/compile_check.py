@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False):
+    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False):
         B, S, Hq, Hkv = 2, 256, 4, 2
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, S, Hq, D), (B, S, Hkv, D))
         if varlen:
@@ -103,12 +103,20 @@ def main(argv=None) -> int:
         q = torch.randn(shape_q).to(dtype)
         k = torch.randn(shape_k).to(dtype)
         v = torch.randn(shape_k).to(dtype)
+        if varlen and var.block_table is not None:  # paged varlen: forward only, the first page of 16 rows
+            var.kv_page_strides = (16 * Hkv * D, 16 * Hkv * D)
+            attention_forward(q, k.view(-1, 16, Hkv, D)[0], v.view(-1, 16, Hkv, D)[0], var)
+            return
         if var.kv_lens is not None:  # inference: forward only, both the forward and the split-KV kernels
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
             return
         out, lse = attention_forward(q, k, v, var)
-        attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
+        os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
+        try:
+            attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
+        finally:
+            os.environ.pop("TRITONATTN_ATOMIC_DQ")
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -138,6 +146,12 @@ def main(argv=None) -> int:
                 (f"mask-tile-{dt}", 64, dtypes[dt], dict(mask=tile, mask_kind=MASK_TILE), {}),
                 (f"dropout-{dt}", 128, dtypes[dt], dict(base, dropout_p=0.1, seed=seed), dict(probs=True)),
                 (f"varlen-{dt}", 128, dtypes[dt], dict(base), dict(varlen=True)),
+                (f"varlen-paged-{dt}", 128, dtypes[dt],
+                 dict(base, block_table=torch.zeros(2, 16, dtype=torch.int32), page_size=16), dict(varlen=True)),
+                (f"varlen-bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)),
+                 dict(varlen=True, bias_grad=True)),
+                (f"atomic-dq-{dt}", 128, dtypes[dt], dict(base), dict(atomic_dq=True)),
+                (f"atomic-dq-full-{dt}", 64, dtypes[dt], {}, dict(atomic_dq=True)),
                 (f"varlen-dropout-{dt}", 64, dtypes[dt], dict(win_left=32, dropout_p=0.1, seed=seed),
                  dict(varlen=True, probs=True)),
                 (f"kvcache-paged-{dt}", 128, dtypes[dt],

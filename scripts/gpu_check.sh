@@ -4,6 +4,7 @@
 #   scripts/gpu_check.sh                 tests + main job + benchmark (BENCH_ARGS, default: llama grid)
 #   SKIP_TESTS=1 scripts/gpu_check.sh    benchmark only
 #   SKIP_BENCH=1 scripts/gpu_check.sh    tests only
+#   SKIP_EXTRA=1                         without scripts/overhead.py and scripts/integration_gpu.py
 set -uo pipefail
 OUT=${OUT:-/tmp/tritonattn-gpu}
 mkdir -p "$OUT"
@@ -18,6 +19,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --maxfail=25 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40
   status=${PIPESTATUS[0]}
   python3 -m tritonattn 2>&1 | tee "$OUT/main.log"
+fi
+
+if [ -z "${SKIP_EXTRA:-}" ]; then
+  # host time per call, and torch.compile (inductor) + bf16 convergence against sdpa
+  python3 scripts/overhead.py 2>&1 | tee "$OUT/overhead.md"
+  python3 scripts/integration_gpu.py 2>&1 | tee "$OUT/integration.log" | tail -25
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then

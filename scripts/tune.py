@@ -96,7 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--atomic-dq", action="store_true",
+                   help="tune the opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1)")
     args = p.parse_args(argv)
+    if args.atomic_dq:
+        os.environ["TRITONATTN_ATOMIC_DQ"] = "1"  # inherited by the compile workers
     import triton.testing
 
     dtype = DTYPES[args.dtype]
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
                 cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                 print(f"| {D} | {c} | {mode} | {best['cfg']} | {best['tflops']:.1f} | {table} | {cur:.1f} |")
     out = os.environ.get("OUT", ".")
-    name = f"tune-{args.dtype}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
+    tag = "-atomic-dq" if args.atomic_dq else ""
+    name = f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -1,5 +1,6 @@
-"""Hugging Face transformers backend: a small Llama built from a config (no download) gives the
-same logits and gradients with attn_implementation="tritonattn" as with "sdpa", and trains the same."""
+"""Hugging Face transformers backend: small models built from configs (no download) give the same
+logits, gradients and greedy generations with attn_implementation="tritonattn" as with "sdpa", and
+train the same; padding masks take the key-padding path (no S x S mask)."""
 
 import pytest
 import torch
@@ -7,38 +8,168 @@ from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
-import tritonattn.integrations.transformers  # noqa: E402,F401 - registers the backend
+import tritonattn.integrations.transformers as hf  # noqa: E402 - registers the backend
+import tritonattn.ops  # noqa: E402
+from tritonattn.kernels.variants import MASK_KEYS, MASK_NONE, MASK_TILE  # noqa: E402
+
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+MODELS = {  # name: (config class, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral-sw5": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+    # layer 0 a sliding window of 5, layer 1 full attention: both masks in one model; its attention
+    # modules do not pass sliding_window to the attention function (the mask carries it)
+    "qwen2moe-mixed-sw5": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        sliding_window=5, use_sliding_window=True, max_window_layers=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+}
 
 
-def _model(attn, **cfg):
+def _model(attn, name="llama", **cfg):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      **cfg)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    config_cls, model_cls, extra = MODELS[name]
+    config = getattr(transformers, config_cls)(**SIZES, **extra, **cfg)
+    model = getattr(transformers, model_cls)(config).to(DEVICE)
     model.set_attn_implementation(attn)
     return model
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
-def test_logits_and_grads_match_sdpa(padded):
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+@pytest.fixture
+def mask_kinds(monkeypatch):
+    """The mask kind of every kernel call that went through the autograd path (``attention()``)."""
+    kinds = []
+    real = tritonattn.ops.attention_forward
+
+    def spy(q, k, v, var):
+        kinds.append(var.mask_kind)
+        return real(q, k, v, var)
+
+    monkeypatch.setattr(tritonattn.ops, "attention_forward", spy)
+    return kinds
+
+
+def _padding(ids, where):
     mask = torch.ones_like(ids)
-    if padded:
+    if where == "left":
         mask[0, :7] = 0
-    results = []
-    for attn in ("sdpa", "tritonattn"):
-        model = _model(attn)
-        out = model(input_ids=ids, attention_mask=mask, labels=ids)
-        out.loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        results.append((out.logits.detach(), out.loss.detach(), grads))
+    elif where == "right":
+        mask[1, -5:] = 0
+    return mask
+
+
+def _logits_and_grads(attn, ids, mask, name="llama"):
+    model = _model(attn, name)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(results, mask):
     (l_s, loss_s, g_s), (l_t, loss_t, g_t) = results
     keep = mask.bool()
     assert (l_s[keep] - l_t[keep]).abs().max().item() < 1e-4
     assert abs(loss_s.item() - loss_t.item()) < 1e-5
     for a, b in zip(g_s, g_t):
         assert (a - b).abs().max().item() < 1e-4 * max(1.0, a.abs().max().item())
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"], ids=lambda p: f"{p}-padding")
+def test_logits_and_grads_match_sdpa(padding, mask_kinds):
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = _padding(ids, padding)
+    results = [_logits_and_grads(attn, ids, mask) for attn in ("sdpa", "tritonattn")]
+    _assert_same(results, mask)
+    # padding only: the key-padding path (one boolean per key), never an S x S mask
+    assert set(mask_kinds) == ({MASK_NONE} if padding == "none" else {MASK_KEYS}), mask_kinds
+
+
+@pytest.mark.parametrize("name", ["mistral-sw5", "qwen2moe-mixed-sw5"])
+def test_sliding_window_with_padding_matches_sdpa(name, mask_kinds):
+    """Sequences longer than the window, left padding: the window goes with the key-padding mask."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    mask = _padding(ids, "left")
+    results = [_logits_and_grads(attn, ids, mask, name) for attn in ("sdpa", "tritonattn")]
+    _assert_same(results, mask)
+    assert set(mask_kinds) == {MASK_KEYS}, mask_kinds
+    # generation: 7 of 10 prompt tokens padded, so the window still holds padding while decoding
+    gen = [_model(attn, name).generate(ids[:, :10], attention_mask=mask[:, :10], max_new_tokens=6,
+                                       do_sample=False, pad_token_id=0) for attn in ("sdpa", "tritonattn")]
+    assert torch.equal(gen[0], gen[1])
+    assert MASK_TILE not in mask_kinds
+
+
+@pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic-cache", "static-cache"])
+def test_generate_left_padding_matches_sdpa(cache, mask_kinds):
+    """Greedy generation, a left-padded batch: the same tokens. With a dynamic cache the new queries
+    are the last keys (bottom-right causal, key padding); a static cache is longer than the keys
+    seen so far, so its masks are the S x S ones."""
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    outs = [_model(a).generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                               cache_implementation=cache) for a in ("sdpa", "tritonattn")]
+    assert torch.equal(outs[0], outs[1])
+    if cache is None:
+        assert set(mask_kinds) == {MASK_KEYS}, mask_kinds  # prefill and every decoding step
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sw5"])
+def test_compiled_forward_with_padding(name, mask_kinds):
+    """torch.compile(fullgraph=True) of a padded forward: no graph break in the mask function, and the
+    logits equal eager's. While tracing, a causal padding mask still takes the key-padding path; a
+    sliding window (the mask function cannot read closures under dynamo) takes the S x S mask."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = _padding(ids, "left")
+    model = _model("tritonattn", name)
+    fn = lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+    eager = fn(ids, mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(ids, mask)
+    assert torch.equal(eager, compiled)
+    assert MASK_KEYS in mask_kinds and (MASK_TILE in mask_kinds) == (name != "llama"), mask_kinds
+
+
+def test_mask_function():
+    """What the registered mask function hands to the attention function."""
+    from transformers import masking_utils as mu
+
+    pad = torch.ones(2, 12, dtype=torch.bool, device=DEVICE)
+    pad[0, :3] = False
+    base = dict(batch_size=2, q_length=4, kv_length=12, q_offset=8, kv_offset=0, attention_mask=pad, device=DEVICE)
+    # causal + padding, a decoding step of a dynamic cache: the (B, kv_len) key mask
+    assert torch.equal(hf.tritonattn_mask(**base, mask_function=mu.causal_mask_function), pad)
+    # no padding: None (bottom-right causal)
+    assert hf.tritonattn_mask(**{**base, "attention_mask": pad[1:].expand(2, 12)}) is None
+    # sliding window: the keys in the cache's window only
+    long_pad = pad.clone()
+    long_pad[0, :6] = False
+    sw = dict(base, kv_length=7, kv_offset=5, local_size=6, attention_mask=long_pad,
+              mask_function=mu.sliding_window_causal_mask_function(6))
+    m = hf.tritonattn_mask(**sw)
+    assert torch.equal(m, long_pad[:, 5:12]) and getattr(m, hf.WINDOW_ATTR) == 6
+    # no padding in the window: an all-True key mask still carries the window, unless it cuts nothing
+    m = hf.tritonattn_mask(**{**sw, "attention_mask": pad})
+    assert m.all() and m.shape == (2, 7) and getattr(m, hf.WINDOW_ATTR) == 6
+    assert hf.tritonattn_mask(**{**sw, "attention_mask": pad, "kv_length": 6, "kv_offset": 6}) is None
+    assert not hasattr(hf.tritonattn_mask(**base), hf.WINDOW_ATTR)
+    # bidirectional + padding: a (B, 1, 1, kv_len) view of it
+    bi = hf.tritonattn_mask(**base, mask_function=mu.bidirectional_mask_function, allow_is_causal_skip=False,
+                            allow_is_bidirectional_skip=True)
+    assert bi.shape == (2, 1, 1, 12) and torch.equal(bi[:, 0, 0], pad)
+    # anything else: sdpa's boolean (B, 1, q_len, kv_len)
+    others = [
+        dict(mask_function=mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))),
+        dict(mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 5)),
+        dict(mask_function=mu.sliding_window_causal_mask_function(6), local_size=5),  # inconsistent window
+        dict(allow_is_causal_skip=False),  # the caller wants the mask materialised
+        dict(q_offset=torch.tensor(8)),  # static cache: the offset is a tensor
+        dict(kv_length=20),  # the keys run past the last query (static cache): top-left causal
+    ]
+    for kw in others:
+        m = hf.tritonattn_mask(**{**base, **kw})
+        assert m.dtype == torch.bool and m.dim() == 4 and tuple(m.shape[:3]) == (2, 1, 4), kw
+    expected = mu.sdpa_mask(**base, allow_is_causal_skip=False)
+    assert torch.equal(hf.tritonattn_mask(**base, allow_is_causal_skip=False), expected)
 
 
 def test_autocast_with_fp32_weights():

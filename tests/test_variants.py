@@ -101,10 +101,11 @@ def test_boolean_mask_with_empty_rows(poison):
     check_against_reference(q, k, v, out, lse, grads, dout, False, mask=mask)
 
 
+@pytest.mark.parametrize("Sq", [40, 1], ids=["Sq40", "Sq1"])
 @pytest.mark.parametrize("as_4d", [False, True], ids=["BxSk", "Bx1x1xSk"])
-def test_key_padding_mask(as_4d, poison):
+def test_key_padding_mask(as_4d, Sq, poison):
     torch.manual_seed(16)
-    B, Sq, Sk = 3, 40, 77
+    B, Sk = 3, 77
     q, k, v = random_qkv(B, Sq, Sk, 4, 1, 64, F16, DEVICE)
     kpm = torch.ones(B, Sk, dtype=torch.bool, device=DEVICE)
     kpm[0, 50:] = False
@@ -125,6 +126,13 @@ def test_key_padding_takes_the_vector_path():
     assert var.mask_kind == MASK_KEYS and var.mask.shape == (2, 9)
     _check_mask_and_bias(q, k, None, torch.ones(1, 1, 8, 9, dtype=torch.bool, device=DEVICE), None, var)
     assert var.mask_kind == MASK_TILE and var.mask.stride()[:2] == (0, 0)
+    # one query row (decoding): the unsqueezed query dim keeps a stride, and is still one row of keys
+    q1 = q[:, :1]
+    for m in (dict(mask=torch.ones(2, 9, dtype=torch.bool, device=DEVICE)[:, None, None, :]),
+              dict(key_padding_mask=torch.ones(2, 9, dtype=torch.bool, device=DEVICE))):
+        var = _check_options(q1, k, 0.0, None, False, (-1, -1), 0.0, None)
+        _check_mask_and_bias(q1, k, None, m.get("mask"), m.get("key_padding_mask"), var)
+        assert var.mask_kind == MASK_KEYS and var.mask.shape == (2, 9)
 
 
 def _dropout_run(q, k, v, p, seed, **kwargs):

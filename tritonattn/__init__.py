@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "attention_varlen",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tritonattn.integrations.sdpa import patch_sdpa, scaled_dot_product_attention
     from tritonattn.interface import (
         attention,
+        attention_varlen,
         flash_attn_func,
         flash_attn_kvpacked_func,
         flash_attn_qkvpacked_func,

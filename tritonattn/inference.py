@@ -130,12 +130,13 @@ def flash_attn_with_kvcache(
     batch_idx = _int_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
     leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
 
+    compiling = torch.compiler.is_compiling()  # torch.compile traces: checks only, then the custom op
     if cache_seqlens is None:
-        seqlens = _filled(B, capacity, q.device)
+        seqlens = None if compiling else _filled(B, capacity, q.device)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
-        seqlens = _filled(B, cache_seqlens, q.device)
+        seqlens = None if compiling else _filled(B, cache_seqlens, q.device)
     else:
         seqlens = _int_tensor("cache_seqlens", cache_seqlens, B, q.device)
 
@@ -157,7 +158,7 @@ def flash_attn_with_kvcache(
                              f"<= {D}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    if q.device.type == "cpu" or _debug_checks():  # contents: a device sync on CUDA
+    if not compiling and (q.device.type == "cpu" or _debug_checks()):  # contents: a device sync on CUDA
         start = leftpad if leftpad is not None else torch.zeros_like(seqlens)
         if bool((seqlens < start).any()) or bool((seqlens + n_new > capacity).any()):
             raise ValueError(f"cache_seqlens (+ {n_new} new tokens) must lie in [cache_leftpad, {capacity}], got "
@@ -166,6 +167,15 @@ def flash_attn_with_kvcache(
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions are too short")
 
     var = _check_options(q, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    if compiling:
+        seqlens_t, seqlens_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else \
+            (None, -1 if cache_seqlens is None else cache_seqlens)
+        out, lse = kvcache_fwd_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_t, seqlens_int,
+                                  cache_batch_idx, cache_leftpad, block_table,
+                                  None if softmax_scale is None else float(softmax_scale), bool(causal),
+                                  int(window_size[0]), int(window_size[1]), float(softcap),
+                                  bool(rotary_interleaved), alibi_slopes, num_splits)
+        return (out, lse) if return_softmax_lse else out
     start = leftpad.long() if leftpad is not None else 0
     if rotary_cos is not None:
         base = (seqlens.long() - start)[:, None]
@@ -210,3 +220,33 @@ class _CacheView:
     def __init__(self, B, capacity, cache):
         self.shape = torch.Size((B, capacity, *cache.shape[2:]))
         self.dtype, self.device = cache.dtype, cache.device
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: the whole call as one torch.library op that writes the new keys / values into the
+# caches in place (declared as mutated, so functionalization orders it), opaque to dynamo.
+
+@torch.library.custom_op("tritonattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def kvcache_fwd_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
+    cache_seqlens_int: int, cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None, softmax_scale: float | None, causal: bool, win_left: int, win_right: int,
+    softcap: float, rotary_interleaved: bool, alibi_slopes: torch.Tensor | None, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_attn_with_kvcache` as an op (``cache_seqlens_int`` >= 0: an int ``cache_seqlens``;
+    -1 with ``cache_seqlens`` None: the whole cache). Returns ``(out, lse)``, out contiguous."""
+    seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_seqlens_int < 0 else cache_seqlens_int)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+                                       cache_leftpad, block_table, softmax_scale, causal, (win_left, win_right),
+                                       softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse=True)
+    return out.contiguous(), lse
+
+
+@kvcache_fwd_op.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, win_left, win_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits):
+    B, Sq, Hq, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((B, Hq, Sq), dtype=torch.float32))

@@ -18,7 +18,7 @@ from tritonattn.configs import interpreting
 from tritonattn.kernels.bwd import attention_probs
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
-from tritonattn.ops import FlashAttnFunction, apply_compiled
+from tritonattn.ops import FlashAttnFunction, apply_compiled, apply_compiled_packed
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,7 +64,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
 
 
 def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, batch: int | None = None) -> Variants:
+                   alibi_slopes, batch: int | None = None, deterministic: bool = False) -> Variants:
     """Validate the options shared by every entry point and turn them into kernel variants.
     q / k in (B, S, H, D); ``batch`` overrides B (variable length)."""
     B, Hq, D = q.shape[0] if batch is None else batch, q.shape[2], q.shape[3]
@@ -101,7 +101,7 @@ def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, c
             alibi_slopes = alibi_slopes.contiguous()
     var = Variants(softmax_scale=scale, win_left=None if left == -1 else left,
                    win_right=None if right == -1 else right, softcap=float(softcap),
-                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p))
+                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), deterministic=bool(deterministic))
     if dropout_p > 0:
         # drawn from the device's default generator, so torch.manual_seed makes runs reproducible;
         # kept on the device (the kernels load it): no host sync
@@ -110,15 +110,17 @@ def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, c
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
-    """Validate the bias / mask arguments; store the masks in ``var`` (the bias goes through autograd)."""
-    B, Sq, Hq = q.shape[0], q.shape[1], q.shape[2]
-    Sk = k.shape[1]
-    full = (B, Hq, Sq, Sk)
+    """Validate the bias / mask arguments; store the masks in ``var`` (the bias goes through autograd).
+    Variable length (``var``'s cu_seqlens set): laid out per sequence, (batch, nheads, max_seqlen_q,
+    max_seqlen_k) in local indices."""
+    full = var.score_shape(q, k)
+    B, Sk = full[0], full[3]
+    seq = "max_seqlen" if var.varlen else "seqlen"
 
     def broadcastable(name, t):
         if t.dim() > 4 or any(s != 1 and s != f for s, f in zip(reversed(t.shape), reversed(full))):
-            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (batch, nheads, seqlen_q, "
-                             f"seqlen_k) = {full}")
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (batch, nheads, {seq}_q, "
+                             f"{seq}_k) = {full}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
@@ -140,12 +142,14 @@ def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> N
                             "an additive float mask is a bias")
         if name == "key_padding_mask":
             if tuple(m.shape) != (B, Sk):
-                raise ValueError(f"key_padding_mask must have shape (batch, seqlen_k) = {(B, Sk)}, "
+                raise ValueError(f"key_padding_mask must have shape (batch, {seq}_k) = {(B, Sk)}, "
                                  f"got {tuple(m.shape)}")
             m = m[:, None, None, :]
         broadcastable(name, m)
         m = m.expand(full).view(torch.uint8)
-        if m.stride(1) == 0 and m.stride(2) == 0:  # one boolean per key: no S x S read
+        # one boolean per key: no S x S read (a size-1 head or query dim, e.g. Sq = 1 when decoding,
+        # keeps the stride of the dim it was unsqueezed next to, and is read at index 0 only)
+        if (m.stride(1) == 0 or full[1] == 1) and (m.stride(2) == 0 or full[2] == 1):
             var.mask, var.mask_kind = m[:, 0, 0, :], MASK_KEYS
         else:
             var.mask, var.mask_kind = m, MASK_TILE
@@ -157,6 +161,15 @@ def _needs_grad(*tensors) -> bool:
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, probs, return_attn_probs: bool) -> Returned:
     return (out, lse, probs) if return_attn_probs else out
+
+
+def _apply(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias=None) -> tuple:
+    """``(out, lse, probs)`` through :class:`FlashAttnFunction`; while torch.compile traces, through
+    the torch.library ops instead (no graph break; S_dmask, a testing aid, stays eager)."""
+    if torch.compiler.is_compiling() and not return_probs:
+        out, lse = apply_compiled_packed(packing, var, tensors, bias)
+        return out, lse, None
+    return FlashAttnFunction.apply(packing, var, return_probs, *tensors, bias)
 
 
 def flash_attn_func(
@@ -189,7 +202,8 @@ def flash_attn_func(
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds
             ``-slope * |i + Sk - Sq - j|`` to the scores.
-        deterministic: accepted for compatibility; the backward is always deterministic.
+        deterministic: the backward is deterministic (bitwise equal reruns) by default; True also
+            keeps it so when the opt-in non-deterministic backward (``TRITONATTN_ATOMIC_DQ=1``) is on.
         return_attn_probs: also return ``softmax_lse`` ``(batch, nheads, seqlen_q)`` float32
             (natural log) and ``S_dmask``: with dropout, the ``(batch, nheads, seqlen_q,
             seqlen_k)`` probabilities, negated where dropped (a testing aid, S x S memory);
@@ -203,7 +217,8 @@ def flash_attn_func(
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
     _check_qkv(q, k, v)
-    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic=deterministic)
     return_probs = return_attn_probs and dropout_p > 0
     if torch.compiler.is_compiling() and not return_probs:
         out, lse = apply_compiled(var, q, k, v, None)
@@ -237,9 +252,10 @@ def flash_attn_kvpacked_func(
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     _check_qkv(q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"))
-    var = _check_options(q, kv[:, :, 0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    var = _check_options(q, kv[:, :, 0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic=deterministic)
     return_probs = return_attn_probs and dropout_p > 0
-    out, lse, probs = FlashAttnFunction.apply("kv", var, return_probs, q, kv, None, None)
+    out, lse, probs = _apply("kv", var, return_probs, (q, kv, None))
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -263,9 +279,9 @@ def flash_attn_qkvpacked_func(
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     _check_qkv(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"))
     var = _check_options(qkv[:, :, 0], qkv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                         alibi_slopes)
+                         alibi_slopes, deterministic=deterministic)
     return_probs = return_attn_probs and dropout_p > 0
-    out, lse, probs = FlashAttnFunction.apply("qkv", var, return_probs, qkv, None, None, None)
+    out, lse, probs = _apply("qkv", var, return_probs, (qkv, None, None))
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -302,6 +318,8 @@ def attention(
         causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes: as
             :func:`flash_attn_func` (causal bottom-right aligned).
         return_lse: also return the log-sum-exp ``(batch, nheads, seqlen_q)`` float32.
+
+    For packed variable-length batches, see :func:`attention_varlen`.
     """
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
@@ -309,10 +327,7 @@ def attention(
     _check_qkv(q, k, v)
     var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
-    if torch.compiler.is_compiling():
-        out, lse = apply_compiled(var, q, k, v, bias)
-    else:
-        out, lse, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    out, lse, _ = _apply("none", var, False, (q, k, v), bias)
     return (out, lse) if return_lse else out
 
 
@@ -322,9 +337,10 @@ def _debug_checks() -> bool:
     return os.environ.get("TRITONATTN_DEBUG", "0") not in ("", "0")
 
 
-def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False) -> None:
+    """``paged``: k is a paged cache, whose rows are not packed sequences (cu_seqlens_k[-1] is free)."""
     pairs = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
-             ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k))
+             ("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], "max_seqlen_k", max_seqlen_k))
     for name, cu, _, max_name, max_len in pairs:
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -339,28 +355,94 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.shape[0] - 1} and "
                          f"{cu_seqlens_k.shape[0] - 1} sequences")
-    if not (q.device.type == "cpu" or _debug_checks()):
-        return
+    if torch.compiler.is_compiling() or not (q.device.type == "cpu" or _debug_checks()):
+        return  # contents: a device sync, and data-dependent control flow while torch.compile traces
     for name, cu, total, max_name, max_len in pairs:
         lens = cu[1:] - cu[:-1]
         if cu[0].item() != 0 or bool((lens < 0).any()):
             raise ValueError(f"{name} must start at 0 and never decrease, got {cu.tolist()}")
-        if cu[-1].item() != total:
+        if total is not None and cu[-1].item() != total:
             raise ValueError(f"{name}[-1] = {cu[-1].item()} but the packed tensor holds {total} tokens")
         longest = int(lens.max().item())
         if longest > max_len:
             raise ValueError(f"{name} has a sequence of {longest} tokens, longer than {max_name} = {max_len}")
 
 
-def _varlen_call(packing, var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
-                 block_table, tensors):
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV) is not supported by the varlen functions yet")
+def _check_paged_cache(k, v) -> None:
+    """k / v of flash_attn_varlen_func with a block_table: (num_blocks, page_size, nheads_k, headdim)."""
+    for name, t in (("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(f"with block_table, {name} must be a paged cache (num_blocks, page_size, nheads_k, "
+                             f"headdim), got shape {tuple(t.shape)}")
+        _check_tensor(name, t, 4)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] == 0 or k.shape[1] == 0:
+        raise ValueError(f"the paged cache k of shape {tuple(k.shape)} holds no page: num_blocks and page_size "
+                         "must be >= 1")
+
+
+def _check_block_table(q, k, block_table, cu_seqlens_k) -> torch.Tensor:
+    """Shape, dtype and device of a block table; its contents (pages of every sequence's keys inside
+    the cache) on CPU tensors always, on CUDA tensors with TRITONATTN_DEBUG=1 (a device sync).
+    Returns it with a unit stride along the pages (the kernel reads rows as contiguous)."""
+    B = cu_seqlens_k.shape[0] - 1
+    num_blocks, page_size = k.shape[0], k.shape[1]
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must have shape (batch, max_blocks) = ({B}, max_blocks), got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    if not torch.compiler.is_compiling() and (q.device.type == "cpu" or _debug_checks()):
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+        capacity = block_table.shape[1] * page_size
+        if bool((lens > capacity).any()):
+            raise ValueError(f"cu_seqlens_k has a sequence of {int(lens.max())} keys but a block_table row holds "
+                             f"{block_table.shape[1]} pages of {page_size} = {capacity} keys")
+        # only the pages a sequence uses are read (and checked): the rest of a row may hold anything
+        used = (torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size) < lens[:, None]
+        bad = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(bad.any()):
+            b, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k (num_blocks = "
+                             f"{num_blocks})")
+    return block_table if block_table.stride(1) == 1 else block_table.contiguous()
+
+
+def _set_varlen(var: Variants, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     var.cu_seqlens_q, var.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
     var.max_seqlen_q, var.max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+
+
+def _varlen_call(packing, var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs, tensors):
+    _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return_probs = return_attn_probs and var.dropout_p > 0
-    out, lse, probs = FlashAttnFunction.apply(packing, var, return_probs, *tensors, None)
+    out, lse, probs = _apply(packing, var, return_probs, tensors)
     return _finish(out, lse, probs, return_attn_probs)
+
+
+def _paged_varlen_call(var, q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       return_attn_probs):
+    """Paged K/V (forward only, as flash-attn): the forward kernel reads each sequence's keys through
+    its block table row (PAGED flag), starting at row 0 of its first page."""
+    if _needs_grad(q, k, v):
+        raise NotImplementedError("flash_attn_varlen_func with block_table (paged KV) is forward only, as in "
+                                  "flash-attn: call it under torch.no_grad() / torch.inference_mode(), or with "
+                                  "q, k, v that do not require grad")
+    if return_attn_probs and var.dropout_p > 0:
+        raise NotImplementedError("return_attn_probs with dropout (S_dmask) is not supported with block_table")
+    _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    var.block_table, var.page_size = block_table, k.shape[1]
+    if torch.compiler.is_compiling():  # the op sets the page fields from the caches it gets
+        return _finish(*apply_compiled(var, q, k, v, None), None, return_attn_probs)
+    var.kv_page_strides = (k.stride(0), v.stride(0))
+    # the kernel addresses pages itself: pass the first page, (page_size, Hkv, D), for the row / head strides
+    out, lse = attention_forward(q, k[0], v[0], var)
+    return _finish(out, lse, None, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -384,13 +466,22 @@ def flash_attn_varlen_func(
     """Attention over a batch of sequences of different lengths packed along the tokens.
 
     Args:
-        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)``.
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)``, or with
+            ``block_table`` paged caches ``(num_blocks, page_size, nheads_k, headdim)`` (any page size >= 1).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, the cumulative lengths (sequence ``b``
             is rows ``cu[b]:cu[b + 1]``); empty sequences are allowed. Their contents are checked
             on CPU tensors, and on CUDA tensors with ``TRITONATTN_DEBUG=1`` (a device sync).
+            With ``block_table``, ``cu_seqlens_k`` gives only each sequence's key count.
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (size the launch grid).
+        block_table: int32 ``(batch, max_blocks)`` (flash-attn 2.x semantics): the keys / values of
+            sequence ``b`` are rows ``0 .. len_b - 1`` of the pages ``block_table[b, 0], block_table[b, 1], ...``
+            (``len_b = cu_seqlens_k[b + 1] - cu_seqlens_k[b]``); entries past a sequence's last page
+            are never read. Forward only, as in flash-attn: inputs that require grad raise
+            ``NotImplementedError``. Page indices are checked on CPU tensors, and on CUDA tensors with
+            ``TRITONATTN_DEBUG=1``.
         The other arguments as :func:`flash_attn_func`; each sequence gives exactly what the
         dense call gives on that sequence alone (causal bottom-right within each sequence).
+        For a bias or boolean mask per sequence, see :func:`attention_varlen`.
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``, or ``(out, softmax_lse, S_dmask)`` with lse
@@ -398,14 +489,23 @@ def flash_attn_varlen_func(
         with dropout (``None`` without).
     """
     _check_tensor("q", q, 3)
-    _check_tensor("k", k, 3)
-    _check_tensor("v", v, 3)
-    _check_qkv(q[None], k[None], v[None])
-    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    paged = block_table is not None
+    if paged:
+        _check_paged_cache(k, v)
+        _check_qkv(q[None], k[:1], v[:1])  # one page seen as a batch row: dtype, device, head dims
+    else:
+        _check_tensor("k", k, 3)
+        _check_tensor("v", v, 3)
+        _check_qkv(q[None], k[None], v[None])
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged=paged)
     var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens_q.shape[0] - 1)
-    return _varlen_call("none", var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        return_attn_probs, block_table, (q, k, v))
+                         batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
+    if paged:
+        block_table = _check_block_table(q, k, block_table, cu_seqlens_k)
+        return _paged_varlen_call(var, q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  return_attn_probs)
+    return _varlen_call("none", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
+                        (q, k, v))
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -434,9 +534,9 @@ def flash_attn_varlen_kvpacked_func(
     _check_qkv(q[None], k[None], v[None], names=("q", "kv", "kv"))
     _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens_q.shape[0] - 1)
-    return _varlen_call("kv", var, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        return_attn_probs, None, (q, kv, None))
+                         batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
+    return _varlen_call("kv", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
+                        (q, kv, None))
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -461,6 +561,59 @@ def flash_attn_varlen_qkvpacked_func(
     _check_qkv(q[None], k[None], v[None], names=("qkv", "qkv", "qkv"))
     _check_varlen(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens.shape[0] - 1)
-    return _varlen_call("qkv", var, q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
-                        None, (qkv, None, None))
+                         batch=cu_seqlens.shape[0] - 1, deterministic=deterministic)
+    return _varlen_call("qkv", var, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
+                        (qkv, None, None))
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> Returned:
+    """:func:`attention` for variable-length batches: :func:`flash_attn_varlen_func`'s packed layout
+    plus a bias (with gradient) and boolean masks laid out per sequence.
+
+    Each sequence gives what :func:`attention` gives on that sequence alone, with the sequence's
+    slice ``[b, :, :len_q_b, :len_k_b]`` of the bias / mask.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)``.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as :func:`flash_attn_varlen_func`.
+        bias: float tensor broadcastable to ``(batch, nheads, max_seqlen_q, max_seqlen_k)``: entry
+            ``[b, h, i, j]`` is added to the score of query ``i`` and key ``j`` of sequence ``b``
+            (indices local to the sequence; entries past a sequence's lengths are never read).
+            Broadcast dims are read with stride 0. If it requires grad its gradient is returned in
+            its own shape and dtype (summed over broadcast dims; 0 past each sequence's lengths).
+        mask: bool tensor broadcastable the same way, True = take part.
+        key_padding_mask: bool ``(batch, max_seqlen_k)``, True = real key (one boolean per key).
+        causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes: as
+            :func:`flash_attn_func` (causal bottom-right within each sequence).
+        return_lse: also return the log-sum-exp ``(nheads, total_q)`` float32.
+    """
+    _check_tensor("q", q, 3)
+    _check_tensor("k", k, 3)
+    _check_tensor("v", v, 3)
+    _check_qkv(q[None], k[None], v[None])
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         batch=cu_seqlens_q.shape[0] - 1)
+    _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
+    out, lse, _ = _apply("none", var, False, (q, k, v), bias)
+    return (out, lse) if return_lse else out

@@ -28,7 +28,7 @@ class FlashAttnFunction(torch.autograd.Function):
         tensors = (t0, t1, t2)
         q, k, v = _unpack(packing, tensors)
         if bias is not None:
-            var.bias = bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+            var.bias = bias.expand(var.score_shape(q, k))  # varlen: (B, Hq, max_seqlen_q, max_seqlen_k)
         out, lse = attention_forward(q, k, v, var)
         probs = attention_probs(q, k, v, lse, var) if return_probs else None
         ctx.save_for_backward(*[t for t in tensors if t is not None], out, lse)
@@ -82,13 +82,20 @@ def _unpack(packing: str, tensors):
 # ---------------------------------------------------------------------------------------------
 # torch.library ops: what torch.compile sees. Opaque to dynamo (no graph break), with fake
 # implementations for tracing; the eager path above stays the default outside compilation
-# (it also writes packed gradients without a copy).
+# (it also writes packed gradients without a copy). Dense and variable-length calls share the ops:
+# cu_seqlens_q / cu_seqlens_k (None: dense) and the longest lengths come last, with defaults, then
+# (forward only) a varlen block_table: k / v are then paged caches (num_blocks, page_size, Hkv, D).
+# Packed calls (qkv / kv) reach them as select views of the packed tensor, unpacked while tracing.
 
-def _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed):
+def _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False):
     var = Variants(softmax_scale=softmax_scale, win_left=win_left, win_right=win_right, softcap=softcap,
-                   alibi_slopes=alibi, dropout_p=dropout_p, seed=seed)
+                   alibi_slopes=alibi, dropout_p=dropout_p, seed=seed, deterministic=deterministic)
     if mask is not None:
         var.mask, var.mask_kind = mask, mask_kind
+    if cu_seqlens_q is not None:
+        var.cu_seqlens_q, var.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        var.max_seqlen_q, var.max_seqlen_k = max_seqlen_q, max_seqlen_k
     return var
 
 
@@ -97,17 +104,27 @@ def attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None,
     alibi: torch.Tensor | None, seed: torch.Tensor | None, softmax_scale: float, win_left: int | None,
     win_right: int | None, softcap: float, dropout_p: float, mask_kind: int,
+    cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0, deterministic: bool = False, block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed)
+    var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
+    if block_table is not None:  # the kernel addresses pages itself: it gets the first page of each cache
+        var.block_table, var.page_size = block_table, k.shape[1]
+        var.kv_page_strides = (k.stride(0), v.stride(0))
+        k, v = k[0], v[0]
     if bias is not None:
-        var.bias = bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        var.bias = bias.expand(var.score_shape(q, k))
     return attention_forward(q, k, v, var)
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, bias, mask, alibi, seed, softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        (q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+def _(q, k, v, bias, mask, alibi, seed, softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False, block_table=None):
+    # dense: out (B, Sq, Hq, D), lse (B, Hq, Sq); variable length: out (total_q, Hq, D), lse (Hq, total_q)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(lse_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("tritonattn::bwd", mutates_args=())
@@ -115,11 +132,14 @@ def attention_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     bias: torch.Tensor | None, mask: torch.Tensor | None, alibi: torch.Tensor | None, seed: torch.Tensor | None,
     softmax_scale: float, win_left: int | None, win_right: int | None, softcap: float, dropout_p: float,
-    mask_kind: int, bias_grad: bool,
+    mask_kind: int, bias_grad: bool, cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed)
+    var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
     if bias is not None:
-        var.bias = bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        var.bias = bias.expand(var.score_shape(q, k))
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, var,
                                            bias_shape=bias.shape if bias_grad else None)
     # a custom op returns tensors only: no bias gradient is an empty one
@@ -128,33 +148,54 @@ def attention_bwd_op(
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, bias, mask, alibi, seed, softmax_scale, win_left, win_right, softcap, dropout_p,
-      mask_kind, bias_grad):
+      mask_kind, bias_grad, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+      deterministic=False):
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format), dbias)
 
 
+_N_OPTIONS = 6  # softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, alibi, seed, *options = inputs
+    # inputs: q, k, v, bias, mask, alibi, seed, the options, cu_q, cu_k, max_q, max_k, deterministic,
+    # block_table (paged: forward only, the public functions refuse inputs that require grad)
+    q, k, v, bias, mask, alibi, seed = inputs[:7]
+    options, (cu_q, cu_k, max_q, max_k, deterministic, _) = inputs[7:7 + _N_OPTIONS], inputs[7 + _N_OPTIONS:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi, seed)
-    ctx.options = options
+    ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi, seed, cu_q, cu_k)
+    ctx.options, ctx.varlen_options = options, (max_q, max_k, deterministic)
     ctx.bias_grad = bias is not None and bias.requires_grad
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, bias, mask, alibi, seed = ctx.saved_tensors
+    q, k, v, out, lse, bias, mask, alibi, seed, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, deterministic = ctx.varlen_options
     dq, dk, dv, dbias = attention_bwd_op(dout, q, k, v, out, lse, bias, mask, alibi, seed, *ctx.options,
-                                         ctx.bias_grad)
-    return dq, dk, dv, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None, None, None
+                                         ctx.bias_grad, cu_q, cu_k, max_q, max_k, deterministic)
+    n_rest = 3 + _N_OPTIONS + 6  # mask / alibi / seed, the options, the varlen inputs and block_table
+    return dq, dk, dv, (dbias if ctx.bias_grad else None), *([None] * n_rest)
 
 
 attention_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def apply_compiled(var: Variants, q, k, v, bias):
-    """The dense, unpacked call through the torch.library ops (used while torch.compile traces)."""
+    """The unpacked call (dense, variable length, or variable length over paged caches k / v with
+    ``var.block_table``) through the torch.library ops, used while torch.compile traces. Returns
+    ``(out, lse)``."""
     return attention_fwd_op(q, k, v, bias, var.mask, var.alibi_slopes, var.seed, var.softmax_scale, var.win_left,
-                            var.win_right, var.softcap, var.dropout_p, var.mask_kind)
+                            var.win_right, var.softcap, var.dropout_p, var.mask_kind, var.cu_seqlens_q,
+                            var.cu_seqlens_k, var.max_seqlen_q, var.max_seqlen_k, var.deterministic,
+                            var.block_table)
+
+
+def apply_compiled_packed(packing: str, var: Variants, tensors, bias=None):
+    """As :func:`apply_compiled` for packed inputs (``packing`` and ``tensors`` as
+    :class:`FlashAttnFunction`): q / k / v are select views of the packed tensors (the gradients
+    flow back through the views into one packed gradient)."""
+    q, k, v = _unpack(packing, tensors)
+    return apply_compiled(var, q, k, v, bias)

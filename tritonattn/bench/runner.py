@@ -25,6 +25,8 @@ VARIANTS = {
     "tritonattn+softcap": dict(softcap=30.0),
     "tritonattn+alibi": dict(alibi_slopes="H"),
     "tritonattn+keypad": dict(key_padding_mask="BS"),
+    # the opt-in non-deterministic backward (TRITONATTN_ATOMIC_DQ=1 while this backend is measured)
+    "tritonattn+atomic-dq": dict(),
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]
@@ -229,6 +231,9 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
     for backend in backends:
         base = dict(env, **{k: v for k, v in asdict(shape).items() if k != "dtype"},
                     dtype=DTYPE_NAMES[shape.dtype], shape=shape.label(), backend=backend)
+        saved_env = os.environ.get("TRITONATTN_ATOMIC_DQ")
+        if backend == "tritonattn+atomic-dq":
+            os.environ["TRITONATTN_ATOMIC_DQ"] = "1"
         try:
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -266,6 +271,11 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             for mode in modes:
                 rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None, note=msg))
+        finally:
+            if saved_env is None:
+                os.environ.pop("TRITONATTN_ATOMIC_DQ", None)
+            else:
+                os.environ["TRITONATTN_ATOMIC_DQ"] = saved_env
     return rows
 
 

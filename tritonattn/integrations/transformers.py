@@ -6,21 +6,35 @@ Importing this module (or calling :func:`register`) registers the backend with t
 attention interface (Llama, Mistral, Qwen2/3, Gemma...). The name avoids "flash": transformers
 treats such names as flash-attn hub kernels.
 
-- no mask (pure causal / bidirectional): the flash-attn path, causal aligned bottom-right (right
-  for generation with a cache: the new queries are the last ones), GQA without repeat_kv;
+- masks: the backend registers its own mask function (:func:`tritonattn_mask`). A causal,
+  sliding-window causal or bidirectional mask with padding only comes out as the 2D
+  ``(batch, kv_len)`` boolean padding mask (bidirectional: a ``(batch, 1, 1, kv_len)`` view of it),
+  or ``None`` when nothing is padded, and takes the key-padding path (one boolean read per key, no
+  S x S mask is built). A sliding window that cuts keys travels with the 2D mask (an attribute,
+  ``WINDOW_ATTR``), since not every model passes ``sliding_window`` to the attention function. Any
+  other mask (chunked, packed sequences, ``or`` / ``and`` overlays, static caches, callers that ask
+  for a materialised mask, sliding windows while torch.compile traces) is transformers' boolean
+  ``sdpa_mask`` ``(batch, 1, q_len, kv_len)``, True = attend, on the mask path;
+- no mask / a 2D padding mask: causal aligned bottom-right, which is transformers' alignment because
+  the mask function only hands them out when the last query and the last key are the same position
+  (prefill, dynamic caches: the new queries are the last keys); GQA without repeat_kv;
 - packed sequences (``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs, batch 1): the varlen path;
-- any other mask: transformers' boolean SDPA-style mask (True = attend) on the mask path;
 - q / k / v of different dtypes (autocast: rotary embeddings return fp32 q / k) are cast to the
   autocast dtype, or to v's dtype without autocast;
 - ``scaling``, ``dropout``, ``sliding_window`` (window of ``sliding_window - 1`` keys to the left,
-  as transformers' flash path) and ``softcap`` are honoured; ``output_attentions=True`` raises.
+  as transformers' flash path) and ``softcap`` are honoured; ``output_attentions=True`` raises. A 4D
+  mask is the whole pattern, sliding window included (as ``sdpa`` reads it): no window is added.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NAME = "tritonattn"
+# set by tritonattn_mask on a 2D padding mask of a sliding-window layer: the window, in transformers' terms
+WINDOW_ATTR = "tritonattn_sliding_window"
 
 
 def tritonattn_attention_forward(
@@ -49,15 +63,24 @@ def tritonattn_attention_forward(
     query, key, value = _common_dtype(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
-    opts = dict(softmax_scale=scaling, dropout_p=dropout if module.training else 0.0, window_size=window,
-                softcap=softcap or 0.0)
+    opts = dict(softmax_scale=scaling, dropout_p=dropout if module.training else 0.0, softcap=softcap or 0.0)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and q.shape[0] == 1:
         out = flash_attn_varlen_func(q[0], k[0], v[0], cu_q.to(torch.int32), cu_k.to(torch.int32),
-                                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal=causal, **opts)
+                                     int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal=causal,
+                                     window_size=window, **opts)
         return out[None], None
     if attention_mask is None:
-        return flash_attn_func(q, k, v, causal=causal and q.shape[1] > 1, **opts), None
+        return flash_attn_func(q, k, v, causal=causal and q.shape[1] > 1, window_size=window, **opts), None
+    if attention_mask.dim() == 2:
+        # from tritonattn_mask: (causal or sliding-window causal) + key padding, last query = last key. The
+        # mask carries its window: not every model passes sliding_window to the attention function
+        mask_window = getattr(attention_mask, WINDOW_ATTR, None)
+        if mask_window is not None:
+            window = (mask_window - 1, -1)
+        return attention(q, k, v, key_padding_mask=attention_mask, causal=True, window_size=window, **opts), None
+    # a 4D mask is the whole pattern, sliding window included (as sdpa reads it); a (B, 1, 1, Sk) one
+    # (bidirectional + padding) takes the key-padding path inside attention()
     if attention_mask.dtype != torch.bool:  # an additive float mask
         return attention(q, k, v, bias=attention_mask, **opts), None
     return attention(q, k, v, mask=attention_mask, **opts), None
@@ -76,14 +99,120 @@ def _common_dtype(query, key, value):
     return query.to(target), key.to(target), value.to(target)
 
 
+def _closure(fn, code) -> dict | None:
+    """The free variables of ``fn`` if it is a closure made by the code object ``code``, else None."""
+    if getattr(fn, "__code__", None) is not code or fn.__closure__ is None:
+        return None
+    return dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__)))
+
+
+def _mask_pattern(mask_function, local_size) -> tuple[bool, int | None] | None:
+    """``(causal, sliding_window)`` when ``mask_function`` is one of transformers' plain patterns that
+    tritonattn's flags express (causal, bidirectional, sliding-window causal), else None. Recognised by
+    identity / code object, so anything composed differently (chunked, packed, ``or`` / ``and``
+    overlays, user functions) is not mistaken for one of them."""
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is mu.bidirectional_mask_function:
+        return False, None
+    if torch.compiler.is_compiling():
+        return None  # dynamo cannot read a closure's cells: the sliding window takes sdpa_mask's path
+    # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal_mask_function)
+    parts = _closure(mask_function, _codes()[0])
+    if parts is None or len(parts.get("mask_functions", ())) != 2:
+        return None
+    overlay, base = parts["mask_functions"]
+    sliding = _closure(overlay, _codes()[1])
+    if base is not mu.causal_mask_function or sliding is None:
+        return None
+    window = sliding.get("sliding_window")
+    if not isinstance(window, int) or window < 1 or (local_size is not None and local_size != window):
+        return None
+    return True, window
+
+
+@functools.cache
+def _codes():
+    from transformers import masking_utils as mu
+
+    return (mu.and_masks(mu.causal_mask_function).__code__,
+            mu.sliding_window_overlay(1).__code__)
+
+
+def tritonattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers' mask-interface function for ``"tritonattn"``.
+
+    A causal or sliding-window causal mask with padding only gives the 2D ``(batch_size, kv_length)``
+    boolean padding mask (True = real key), or None when no key is padded; a bidirectional one gives
+    a ``(batch_size, 1, 1, kv_length)`` view of the padding mask, or None. The attention function
+    turns them into the key-padding path (no S x S mask). A sliding window that cuts keys
+    (``kv_length > sliding_window``) always gives the 2D mask (all True without padding), carrying
+    the window as its ``WINDOW_ATTR`` attribute. This needs the causal diagonal to end at the last
+    key (``q_offset + q_length == kv_offset + kv_length``, int offsets: no cache or dynamic caches),
+    and the caller to accept an unmaterialised mask (``allow_is_causal_skip`` /
+    ``allow_is_bidirectional_skip``). Anything else is ``sdpa_mask``'s boolean 4D mask."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    pattern = _mask_pattern(mask_function, local_size)
+    plain_offsets = not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
+    if pattern is not None and plain_offsets:
+        causal, window = pattern
+        aligned = q_offset + q_length == kv_offset + kv_length
+        if (causal and allow_is_causal_skip and aligned) or (not causal and allow_is_bidirectional_skip):
+            padding = _key_padding(attention_mask, kv_length, kv_offset)
+            if window is not None and kv_length > window:  # the window cuts: it travels with the mask
+                if padding is None:
+                    padding = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+                setattr(padding, WINDOW_ATTR, window)
+            if padding is None:
+                return None
+            return padding if causal else padding[:, None, None, :]
+    # sdpa_mask returns None where torch's top-left is_causal would do (e.g. a static cache's prefill);
+    # the attention function reads None as bottom-right causal: the same only when q_length == kv_length
+    allow_is_causal_skip = allow_is_causal_skip and q_length == kv_length
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+
+
+def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
+    """The (batch, kv_length) boolean key mask of the keys the attention will see, or None when
+    nothing is padded (not checked while tracing: that would read the mask's values)."""
+    from transformers import masking_utils as mu
+    from transformers.utils.import_utils import is_tracing
+
+    if attention_mask is None:
+        return None
+    padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+    if not is_tracing(padding) and bool(padding.all()):
+        return None
+    return padding
+
+
 def register() -> None:
     """Register ``"tritonattn"`` with transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(NAME, tritonattn_attention_forward)
-    # boolean (batch, 1, q, kv) masks, or None when the mask is purely causal / absent
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, tritonattn_mask)
 
 
 register()

@@ -7,6 +7,8 @@ the group without an expanded K/V or a reduction pass. With dropout, dS = P * (d
 where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,7 @@ from tritonattn.kernels.common import (
     query_range,
     scores_log2,
     seq_bounds,
+    tile_visible,
 )
 from tritonattn.kernels.launch import launch
 from tritonattn.kernels.variants import Variants
@@ -83,7 +86,7 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
-    p_q, p_do, p_lse, p_delta, stride_qm, stride_dom,
+    p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam,
     start_n, offs_n, offs_mb, offs_d, lo, hi, Sq, Sk,
     qk_scale, softcap_scale, softcap_log2, slope2,
     p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
@@ -92,12 +95,14 @@ def _bwd_dkdv_inner(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
     Works on transposed scores (keys x queries) so that dV = P^T dO and dK = dS^T Q need no
-    transpose of P.
+    transpose of P. ATOMIC_DQ (opt-in, not deterministic): also add this key block's share of dQ,
+    dS K, into the fp32 buffer at ``p_dqa`` with atomics, so the backward needs no dQ kernel (5
+    matrix products per tile instead of 7).
     """
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
@@ -120,7 +125,11 @@ def _bwd_dkdv_inner(
             keep_t = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, True)
         _, ds_t, p_t = _grad_scores(p_t, dp_t, delta[None, :], t_t, keep_t, dropout_p, SOFTCAP, HAS_DROPOUT)
         dv = mma(p_t.to(do.dtype), do, dv, DOT_FP32, PRECISION)
-        dk = mma(ds_t.to(q.dtype), q, dk, DOT_FP32, PRECISION)
+        ds_lo = ds_t.to(q.dtype)
+        dk = mma(ds_lo, q, dk, DOT_FP32, PRECISION)
+        if ATOMIC_DQ:
+            dq_part = mma(tl.trans(ds_lo), k, None, DOT_FP32, PRECISION)
+            tl.atomic_add(p_dqa + offs_m[:, None].to(tl.int64) * stride_dqam, dq_part, mask=qd_ok, sem="relaxed")
     return dk, dv
 
 
@@ -133,6 +142,7 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    DQA, stride_dqab, stride_dqam, stride_dqah, stride_dqad,
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
@@ -141,7 +151,7 @@ def _bwd_dkdv_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
@@ -155,6 +165,7 @@ def _bwd_dkdv_kernel(
             return
     Q += q_start * stride_qm
     DO += q_start * stride_dom
+    DQA += q_start * stride_dqam
     K += k_start * stride_kn
     V += k_start * stride_vn
     DK += k_start * stride_dkn
@@ -180,33 +191,37 @@ def _bwd_dkdv_kernel(
         p_do = DO + off_b * stride_dob + off_h * stride_doh + offs_d[None, :] * stride_dod
         p_lse = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_delta = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start
+        p_dqa = DQA + off_b * stride_dqab + off_h * stride_dqah + offs_d[None, :] * stride_dqad
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                                   MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                                   HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
         if WIN_RIGHT:  # masked: the diagonal / the window's right edge
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
+                offs_mb, offs_d,
                 lo, tl.minimum(full_lo, hi), Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
+            dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
+                offs_mb, offs_d,
             full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, start_n, offs_n, offs_mb, offs_d,
+                dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
+                offs_mb, offs_d,
                 tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
 
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -411,7 +426,8 @@ def _tile_kernel(
     - WITH_GRAD=True: dBias = dS summed over the SUM_B x SUM_H (batch, head) pairs that a
       broadcast bias entry feeds, in a fixed order (deterministic, no atomics).
 
-    Tiles outside the causal / window band are written as zeros without computing.
+    Tiles outside the causal / window band (variable length: or past the sequence's end) are
+    written as zeros without computing.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -421,35 +437,44 @@ def _tile_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    # variable length: only probabilities (no bias), one (batch, head) per program
-    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, out_b, Sq, Sk, IS_VARLEN)
-    d = Sk - Sq
+    # dense: every summed (batch, head) pair has the same bounds, so the band test is made once, around
+    # the loop (a test inside it keeps the compiler from pipelining the loop: 88 bytes of spills at
+    # D=128 bf16 on sm_90); variable length: tile indices are local to each sequence and a broadcast
+    # bias entry sums sequences of different lengths, so the test is made per summed batch row
     visible = True
-    if WIN_RIGHT:
-        visible = visible & (pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + d + win_right)
-    if WIN_LEFT:
-        visible = visible & (pid_n * BLOCK_N + BLOCK_N - 1 >= pid_m * BLOCK_M + d - win_left)
+    if not IS_VARLEN:
+        visible = tile_visible(pid_m * BLOCK_M, pid_n * BLOCK_N, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N,
+                               WIN_LEFT, WIN_RIGHT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if visible:
         for i in range(SUM_B * SUM_H):
             off_b = out_b * SUM_B + i // SUM_H
             off_h = out_h * SUM_H + i % SUM_H
-            lse_off = off_b * stride_lse_b + off_h * stride_lse_h + q_start
-            p, ds, keep = _tile_probs(
-                Q + q_start * stride_qm, K + k_start * stride_kn, V + k_start * stride_vn, DO + q_start * stride_dom,
-                LSE + lse_off, DELTA + lse_off, off_b, off_h, off_h // GROUP, offs_m, pid_n * BLOCK_N, offs_n, offs_d,
-                stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
-                stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
-                BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-                ALIBI, stride_alibi_b, SEED, dropout_p,
-                Hq, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
-                WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_N, WITH_GRAD, DOT_FP32, PRECISION)
-            if WITH_GRAD:
-                acc += ds
-            else:
-                acc += tl.where(keep, p, -p)
+            q_start, seq_q, k_start, seq_k = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+            visible_b = True
+            if IS_VARLEN:
+                visible_b = tile_visible(pid_m * BLOCK_M, pid_n * BLOCK_N, seq_q, seq_k, win_left, win_right,
+                                         BLOCK_M, BLOCK_N, WIN_LEFT, WIN_RIGHT)
+            if visible_b:
+                lse_off = off_b * stride_lse_b + off_h * stride_lse_h + q_start
+                p, ds, keep = _tile_probs(
+                    Q + q_start * stride_qm, K + k_start * stride_kn, V + k_start * stride_vn,
+                    DO + q_start * stride_dom, LSE + lse_off, DELTA + lse_off, off_b, off_h, off_h // GROUP,
+                    offs_m, pid_n * BLOCK_N, offs_n, offs_d,
+                    stride_qb, stride_qm, stride_qh, stride_qd, stride_kb, stride_kn, stride_kh, stride_kd,
+                    stride_vb, stride_vn, stride_vh, stride_vd, stride_dob, stride_dom, stride_doh, stride_dod,
+                    BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+                    MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+                    ALIBI, stride_alibi_b, SEED, dropout_p,
+                    Hq, seq_q, seq_k, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+                    WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
+                    HEAD_DIM, BLOCK_N, WITH_GRAD, DOT_FP32, PRECISION)
+                if WITH_GRAD:
+                    acc += ds
+                else:
+                    acc += tl.where(keep, p, -p)
+    # every entry of the (B_out, H_out, Sq, Sk) result is written (variable length: Sq / Sk are the
+    # longest lengths; entries past a sequence's end are 0)
     mask = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)
     tl.store(OUT + out_b * stride_ob + out_h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_n[None, :].to(tl.int64) * stride_on, acc.to(OUT.dtype.element_ty), mask=mask)
@@ -480,8 +505,7 @@ def attention_probs(q, k, v, lse, var: Variants):
     """(B, Hq, Sq, Sk) probabilities in q's dtype, negative where dropout dropped them (testing aid).
     Variable length: (B, Hq, max_seqlen_q, max_seqlen_k), zero past each sequence's end."""
     B, Sq, Sk, Hq, _, _ = var.dims(q, k)
-    alloc = torch.zeros if var.varlen else torch.empty
-    out = alloc((B, Hq, Sq, Sk), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, Hq, Sq, Sk), dtype=q.dtype, device=q.device)  # every entry is written
     if out.numel():
         _launch_tiles(q, k, v, q, lse, lse, out, var, 1, 1, with_grad=False)
     return out
@@ -524,14 +548,38 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
     ))
 
+    atomic_dq = atomic_dq_enabled() and not var.deterministic
+    # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
     cfg = configs.backward_dkdv_config(q, var.causal)
     launch(_bwd_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv), (
-        q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv), *var_args,
+        q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
+        *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
         Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
     ), dict(
-        **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     ))
 
+    if atomic_dq:
+        dq.copy_(dqa.mul_(var.softmax_scale))
+    else:
+        _launch_dq(q, k, v, do, lse, delta, dq, var, strides, var_args, scales, flags)
+
+    dbias = None
+    if bias_shape is not None:
+        dbias = _bias_grad(q, k, v, do, lse, delta, var, bias_shape)
+    return dq, dk, dv, dbias
+
+
+def atomic_dq_enabled() -> bool:
+    """TRITONATTN_ATOMIC_DQ=1: the opt-in, non-deterministic backward (dQ accumulated with atomics
+    by the dK/dV kernel; no dQ kernel). Calls with ``deterministic=True`` keep the default path."""
+    return os.environ.get("TRITONATTN_ATOMIC_DQ", "0") not in ("", "0")
+
+
+def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, scales, flags):
+    B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     cfg = configs.backward_dq_config(q, var.causal)
     launch(_bwd_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
         q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
@@ -539,11 +587,6 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     ), dict(
         **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
-
-    dbias = None
-    if bias_shape is not None:
-        dbias = _bias_grad(q, k, v, do, lse, delta, var, bias_shape)
-    return dq, dk, dv, dbias
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

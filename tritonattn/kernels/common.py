@@ -219,3 +219,17 @@ def query_range(start_n, Sq, Sk, win_left, win_right, BLOCK_M: tl.constexpr, BLO
         hi = Sq
         full_hi = Sq
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tile_visible(start_m, start_n, Sq, Sk, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr):
+    """Whether the tile [start_m, start_m + BLOCK_M) x [start_n, start_n + BLOCK_N) holds a (query, key)
+    pair inside the causal / window band; a tile starting past Sq or Sk holds none."""
+    d = Sk - Sq
+    visible = (start_m < Sq) & (start_n < Sk)
+    if WIN_RIGHT:
+        visible = visible & (start_n <= start_m + BLOCK_M - 1 + d + win_right)
+    if WIN_LEFT:
+        visible = visible & (start_n + BLOCK_N - 1 >= start_m + d - win_left)
+    return visible

@@ -119,8 +119,10 @@ def _fwd_kernel(
         Sk = tl.load(KV_LENS + off_b) - k_start
         if HAS_BATCH_IDX:
             off_bk = tl.load(KV_BATCH_IDX + off_b).to(tl.int64)
-        if PAGED:
-            p_bt = BLOCK_TABLE + off_b * stride_bt_b
+    if PAGED:
+        p_bt = BLOCK_TABLE + off_b * stride_bt_b
+        if IS_VARLEN:  # paged varlen: cu_seqlens_k gives the length; the keys start at row 0 of the pages
+            k_start = 0
     Q += q_start * stride_qm
     O += q_start * stride_om
     if not PAGED:
@@ -186,7 +188,9 @@ def _fwd_kernel(
 
 def attention_forward(q, k, v, var: Variants):
     """Launch the forward. Dense: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D); variable length
-    (``var.cu_seqlens_q`` set): q (total_q, Hq, D), k/v (total_k, Hkv, D). Any strides.
+    (``var.cu_seqlens_q`` set): q (total_q, Hq, D), k/v (total_k, Hkv, D), or with ``var.block_table``
+    the first page (page_size, Hkv, D) of a paged cache whose page stride is in ``var.kv_page_strides``
+    (sequence b's keys are rows 0 .. len_b - 1 of its block table row). Any strides.
 
     Returns ``(out, lse)``: out like q's shape and dtype; lse float32, (B, Hq, Sq) dense or
     (Hq, total_q) variable length, contiguous.

@@ -28,6 +28,7 @@ class Variants:
     mask_kind: int = MASK_NONE
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # int64 (1,) on the inputs' device
+    deterministic: bool = False  # the caller asked for it: never the opt-in atomic-dQ backward
     # variable length: int32 (B + 1,) offsets into packed (total, H, D) tensors, and the longest lengths
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -52,6 +53,12 @@ class Variants:
             return (self.cu_seqlens_q.shape[0] - 1, self.max_seqlen_q, self.max_seqlen_k,
                     q.shape[1], k.shape[1], q.shape[2])
         return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+    def score_shape(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """(B, Hq, Sq, Sk), what a bias or mask is expanded to; variable length: (B, Hq, max_seqlen_q,
+        max_seqlen_k), entry [b, h, i, j] for query i and key j of sequence b (local indices)."""
+        B, Sq, Sk, Hq, _, _ = self.dims(q, k)
+        return B, Hq, Sq, Sk
 
     def lse_shape(self, q: torch.Tensor) -> tuple:
         return (q.shape[1], q.shape[0]) if self.varlen else (q.shape[0], q.shape[2], q.shape[1])
