@@ -209,3 +209,16 @@ def test_fast_launch_path_matches_plain_path(poison):
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         check_against_reference(q, k, v, out, lse, grads, dout, True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_atomic_dq_on_gpu(D, causal, monkeypatch, poison):
+    """The opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1) at the table's configs, bf16."""
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    torch.manual_seed(D)
+    q, k, v = random_qkv(2, 2000, 2000, 8, 2, D, BF16, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(q, k, v, out, lse, grads, dout, causal)

@@ -201,6 +201,17 @@ def test_output_attentions_is_refused():
         model(input_ids=ids, output_attentions=True)
 
 
+def test_unsupported_kwargs_are_refused_by_name():
+    from tritonattn.integrations.transformers import tritonattn_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, False
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    for name, value in (("position_bias", torch.zeros(1, 2, 8, 8, device=DEVICE)), ("s_aux", torch.zeros(2))):
+        with pytest.raises(ValueError, match=name):
+            tritonattn_attention_forward(module, q, q, q, None, **{name: value})
+
+
 def test_convergence_against_sdpa():
     """Train twice on the same synthetic data (fp32): the loss curves agree within 1e-3."""
     torch.manual_seed(3)

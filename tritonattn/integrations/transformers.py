@@ -59,6 +59,9 @@ def tritonattn_attention_forward(
                          "(use attn_implementation='eager' for that)")
     if kwargs.get("s_aux") is not None:
         raise ValueError("tritonattn does not support attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("tritonattn's transformers backend does not take position_bias; pass it as an additive "
+                         "mask, or call tritonattn.attention(q, k, v, bias=...) directly")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     query, key, value = _common_dtype(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
