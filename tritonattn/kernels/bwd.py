@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonattn import configs
+from tritonattn import autotune, configs
 from tritonattn.kernels.common import (
     LOG2E,
     dropout_keep,
@@ -551,15 +551,21 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     atomic_dq = atomic_dq_enabled() and not var.deterministic
     # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
+
+    def run_dkdv(cfg):
+        if atomic_dq:
+            dqa.zero_()  # a rerun (autotuning) must not add dQ twice
+        launch(_bwd_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv), (
+            q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
+            *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
+            Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+        ), dict(
+            **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ))
+
     cfg = configs.backward_dkdv_config(q, var.causal)
-    launch(_bwd_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv), (
-        q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
-        *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
-        Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
-    ), dict(
-        **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    ))
+    run_dkdv(autotune.tuned("bwd_dkdv", q, var.causal, Sq, Sk, dict(flags, ATOMIC_DQ=atomic_dq), cfg, run_dkdv))
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
@@ -580,13 +586,17 @@ def atomic_dq_enabled() -> bool:
 
 def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, scales, flags):
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+
+    def run(cfg):
+        launch(_bwd_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
+            q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
+            Hq, Hq // Hkv, Sq, Sk, *scales,
+        ), dict(
+            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ))
+
     cfg = configs.backward_dq_config(q, var.causal)
-    launch(_bwd_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
-        q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
-        Hq, Hq // Hkv, Sq, Sk, *scales,
-    ), dict(
-        **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ))
+    run(autotune.tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run))
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

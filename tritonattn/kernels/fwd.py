@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from tritonattn import configs
+from tritonattn import autotune, configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels.launch import launch
 from tritonattn.kernels.variants import MASK_TILE, Variants
@@ -206,17 +206,18 @@ def attention_forward(q, k, v, var: Variants):
         return out, lse
     cfg = configs.forward_config(q, var.causal, extra_smem=var.bias is not None or var.mask_kind == MASK_TILE
                                  or var.dropout_p > 0)
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    launch(_fwd_kernel, grid, (
-        q, k, v, out, lse,
-        *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
-        *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
-        Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
-    ), dict(
-        **var.constexprs(), **var.cache_constexprs(),
-        SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ))
+    flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
+                 BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
+                 PRECISION=configs.dot_precision(q.dtype))
+
+    def run(cfg):
+        launch(_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
+            q, k, v, out, lse,
+            *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
+            *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
+            Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
+        ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages))
+
+    run(autotune.tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run))
     return out, lse
