@@ -40,13 +40,16 @@ def __getattr__(name: str):
     if name in ("scaled_dot_product_attention", "patch_sdpa"):
         from tritonattn.integrations import sdpa
 
-        return getattr(sdpa, name)
-    if name == "flash_attn_with_kvcache":
+        value = getattr(sdpa, name)
+    elif name == "flash_attn_with_kvcache":
         from tritonattn.inference import flash_attn_with_kvcache
 
-        return flash_attn_with_kvcache
-    if name in __all__:
+        value = flash_attn_with_kvcache
+    elif name in __all__:
         from tritonattn import interface
 
-        return getattr(interface, name)
-    raise AttributeError(f"module 'tritonattn' has no attribute {name!r}")
+        value = getattr(interface, name)
+    else:
+        raise AttributeError(f"module 'tritonattn' has no attribute {name!r}")
+    globals()[name] = value  # resolved once: later lookups cost nothing per call
+    return value

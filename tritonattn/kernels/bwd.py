@@ -25,7 +25,7 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
-from tritonattn.kernels.launch import launch
+from tritonattn.kernels.launch import cdiv, launch
 from tritonattn.kernels.variants import Variants
 
 
@@ -488,7 +488,7 @@ def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h
     """Fill ``out`` ((B_out, H_out, Sq, Sk), any strides) with probabilities or dBias tiles."""
     _, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     cfg = configs.tile_config(q)
-    grid = (triton.cdiv(Sq, cfg.block_m), triton.cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
+    grid = (cdiv(Sq, cfg.block_m), cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
     launch(_tile_kernel, grid, (
         q, k, v, do, lse, delta, out,
         *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
@@ -542,7 +542,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     delta = torch.empty_like(lse)
     cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
     pre = configs.preprocess_config(q)
-    launch(_bwd_preprocess_kernel, (triton.cdiv(Sq, pre.block_m), B * Hq), (
+    launch(_bwd_preprocess_kernel, (cdiv(Sq, pre.block_m), B * Hq), (
         out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
     ), dict(
         IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
@@ -555,7 +555,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def run_dkdv(cfg):
         if atomic_dq:
             dqa.zero_()  # a rerun (autotuning) must not add dQ twice
-        launch(_bwd_dkdv_kernel, (triton.cdiv(Sk, cfg.block_n), B * Hkv), (
+        launch(_bwd_dkdv_kernel, (cdiv(Sk, cfg.block_n), B * Hkv), (
             q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
             *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
             Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
@@ -588,7 +588,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, sc
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
 
     def run(cfg):
-        launch(_bwd_dq_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
+        launch(_bwd_dq_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
             q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
             Hq, Hq // Hkv, Sq, Sk, *scales,
         ), dict(

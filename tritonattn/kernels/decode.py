@@ -17,7 +17,7 @@ import triton.language as tl
 from tritonattn import configs
 from tritonattn.kernels.common import LN2, LOG2E, mma, scores_log2
 from tritonattn.kernels.fwd import _kv_rows
-from tritonattn.kernels.launch import launch
+from tritonattn.kernels.launch import cdiv, launch, next_pow2
 from tritonattn.kernels.variants import Variants
 
 
@@ -144,8 +144,8 @@ def _sm_count(device: torch.device) -> int:
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
     """Enough programs for about two waves of the GPU, and splits of at least 256 keys."""
     sms = _sm_count(device)
-    want = triton.cdiv(2 * sms, batch * kv_heads)
-    return max(1, min(want, triton.cdiv(capacity, 256), 128))
+    want = cdiv(2 * sms, batch * kv_heads)
+    return max(1, min(want, cdiv(capacity, 256), 128))
 
 
 def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
@@ -156,9 +156,9 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     group = Hq // Hkv
     splits = num_splits if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device)
     cfg = configs.decode_config(q)
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), cfg.block_n) * cfg.block_n
-    splits = triton.cdiv(capacity, split_len)
-    block_m = max(16, triton.next_power_of_2(group * Sq))
+    split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
+    splits = cdiv(capacity, split_len)
+    block_m = max(16, next_pow2(group * Sq))
     o_part = torch.empty((splits, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits, B, Hq, Sq), dtype=torch.float32, device=q.device)
     c = var.constexprs()
@@ -180,6 +180,6 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     launch(_decode_combine_kernel, (B * Hq * Sq,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)),
     ))
     return out, lse

@@ -5,7 +5,7 @@ import triton.language as tl
 
 from tritonattn import autotune, configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
-from tritonattn.kernels.launch import launch
+from tritonattn.kernels.launch import cdiv, launch
 from tritonattn.kernels.variants import MASK_TILE, Variants
 
 
@@ -211,7 +211,7 @@ def attention_forward(q, k, v, var: Variants):
                  PRECISION=configs.dot_precision(q.dtype))
 
     def run(cfg):
-        launch(_fwd_kernel, (triton.cdiv(Sq, cfg.block_m), B * Hq), (
+        launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
             q, k, v, out, lse,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
             *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
