@@ -16,7 +16,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "commit ${TRITONATTN_COMMIT:-unknown}" | tee -a "$OUT/env.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -p no:cacheprovider --maxfail=25 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40
+  # -v: every result line names its test, so a run cut short still says what failed
+  python3 -m pytest -v -rf -p no:cacheprovider -n ${PYTEST_WORKERS:-12} --timeout ${PYTEST_TIMEOUT:-600} \
+    --maxfail=25 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
   status=${PIPESTATUS[0]}
   python3 -m tritonattn 2>&1 | tee "$OUT/main.log"
 fi
