@@ -21,9 +21,12 @@ from tritonattn.inference import kvcache_fwd_op
 from tritonattn.ops import attention_fwd_op
 
 F16, F32 = torch.float16, torch.float32
+# fp32 on CPU (exact under the interpreter); fp16 on a GPU, where fp32's ieee products compile for minutes
+# and this file is about tracing, not precision
+DEFAULT = F32 if DEVICE == "cpu" else F16
 
 
-def _inputs(dtype=F32):
+def _inputs(dtype=DEFAULT):
     torch.manual_seed(0)
     q = torch.randn(2, 33, 4, 32, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(2, 40, 2, 32, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -75,15 +78,15 @@ def test_flash_attn_func_compiles_fullgraph(causal):
 
 def test_attention_with_bias_grad_compiles():
     q, k, v = _inputs()
-    bias = torch.randn(2, 1, 33, 40, device=DEVICE, requires_grad=True)
+    bias = torch.randn(2, 1, 33, 40, device=DEVICE, dtype=DEFAULT, requires_grad=True)
     _eager_vs_compiled(lambda q, k, v, b: attention(q, k, v, bias=b, causal=True), (q, k, v, bias))
 
 
 def test_sdpa_dropin_compiles():
     torch.manual_seed(1)
-    q = torch.randn(2, 4, 20, 16, device=DEVICE, requires_grad=True)
-    k = torch.randn(2, 2, 24, 16, device=DEVICE, requires_grad=True)
-    v = torch.randn(2, 2, 24, 16, device=DEVICE, requires_grad=True)
+    q = torch.randn(2, 4, 20, 16, device=DEVICE, dtype=DEFAULT, requires_grad=True)
+    k = torch.randn(2, 2, 24, 16, device=DEVICE, dtype=DEFAULT, requires_grad=True)
+    v = torch.randn(2, 2, 24, 16, device=DEVICE, dtype=DEFAULT, requires_grad=True)
     mask = torch.rand(2, 1, 20, 24, device=DEVICE) > 0.3
     _eager_vs_compiled(lambda q, k, v: scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True,
                                                                     enable_gqa=True), (q, k, v))
@@ -99,7 +102,7 @@ LENS_Q, LENS_K = [5, 0, 9, 1], [7, 3, 9, 4]  # an empty query sequence, Sq < Sk 
 CU_Q, CU_K = _cu(LENS_Q), _cu(LENS_K)
 
 
-def _leaf(*shape, dtype=F32):
+def _leaf(*shape, dtype=DEFAULT):
     return torch.randn(*shape, device=DEVICE, dtype=dtype).requires_grad_()
 
 
@@ -137,8 +140,8 @@ def test_attention_varlen_bias_grad_compiles():
 def test_paged_varlen_compiles_fullgraph():
     """flash_attn_varlen_func over paged caches (forward only): the block table goes to the op."""
     torch.manual_seed(9)
-    q = torch.randn(15, 4, 16, device=DEVICE)
-    k_pages, v_pages = torch.randn(12, 4, 2, 16, device=DEVICE), torch.randn(12, 4, 2, 16, device=DEVICE)
+    q = torch.randn(15, 4, 16, device=DEVICE, dtype=DEFAULT)
+    k_pages, v_pages = (torch.randn(12, 4, 2, 16, device=DEVICE, dtype=DEFAULT) for _ in range(2))
     table = torch.randperm(12).reshape(4, 3).to(torch.int32).to(DEVICE)  # 3 pages of 4 keys each
     fn = lambda q, kp, vp: flash_attn_varlen_func(q, kp, vp, CU_Q, CU_K, 9, 9, causal=True,  # noqa: E731
                                                   return_attn_probs=True, block_table=table)
@@ -165,15 +168,15 @@ def test_packed_compiles_fullgraph(packing):
 def _kvcache_case(paged: bool):
     torch.manual_seed(7)
     B, S, Hq, Hkv, D = 2, 24, 4, 2, 16
-    k_cache, v_cache = torch.randn(B, S, Hkv, D, device=DEVICE), torch.randn(B, S, Hkv, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(B, S, Hkv, D, device=DEVICE, dtype=DEFAULT) for _ in range(2))
     extra = {}
     if paged:  # pages of 8 rows, shuffled
         perm = torch.randperm(B * 3).to(DEVICE)
-        kp, vp = torch.empty(B * 3, 8, Hkv, D, device=DEVICE), torch.empty(B * 3, 8, Hkv, D, device=DEVICE)
+        kp, vp = (torch.empty(B * 3, 8, Hkv, D, device=DEVICE, dtype=DEFAULT) for _ in range(2))
         kp[perm], vp[perm] = k_cache.reshape(B * 3, 8, Hkv, D), v_cache.reshape(B * 3, 8, Hkv, D)
         k_cache, v_cache, extra["block_table"] = kp, vp, perm.reshape(B, 3).to(torch.int32)
-    q = torch.randn(B, 3, Hq, D, device=DEVICE)
-    k_new, v_new = torch.randn(B, 3, Hkv, D, device=DEVICE), torch.randn(B, 3, Hkv, D, device=DEVICE)
+    q = torch.randn(B, 3, Hq, D, device=DEVICE, dtype=DEFAULT)
+    k_new, v_new = (torch.randn(B, 3, Hkv, D, device=DEVICE, dtype=DEFAULT) for _ in range(2))
     cos, sin = torch.rand(S, 4, device=DEVICE), torch.rand(S, 4, device=DEVICE)
     seqlens = torch.tensor([4, 17], dtype=torch.int32, device=DEVICE)
     return (q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens), extra
