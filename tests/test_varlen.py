@@ -27,6 +27,22 @@ def _ragged(lens_q, lens_k, Hq, Hkv, D, dtype):
     return q, k, v
 
 
+def _sequence(q, k, v, kw, b, q0, q1, k0, k1):
+    """Sequence b of a packed batch as a dense batch of one (fresh leaves), with its kwargs."""
+    qb, kb, vb = (t.detach()[a:z][None].clone().requires_grad_() for t, a, z in ((q, q0, q1), (k, k0, k1),
+                                                                                  (v, k0, k1)))
+    kwb = dict(kw)
+    if "alibi_slopes" in kwb:
+        kwb["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
+    return qb, kb, vb, kwb
+
+
+def _assert_keyless(out, lse, dq, q0, q1):
+    """A sequence with no key: out 0, lse -inf, zero dq."""
+    assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1])) and torch.isneginf(lse[:, q0:q1]).all()
+    assert torch.equal(dq[q0:q1], torch.zeros_like(dq[q0:q1]))
+
+
 CASES = [
     # (lens_q, lens_k, Hq, Hkv, D, kwargs)
     ([17, 1, 65, 0, 40], [30, 1, 65, 12, 40], 4, 2, 40, dict(causal=True)),
@@ -56,14 +72,9 @@ def test_varlen_equals_dense_per_sequence(lens_q, lens_k, Hq, Hkv, D, kw, poison
                                                   zip(cu_k[:-1].tolist(), cu_k[1:].tolist()))):
         if q1 == q0:
             continue
-        qb, kb, vb = (t.detach()[a:z][None].clone().requires_grad_() for t, a, z in ((q, q0, q1), (k, k0, k1),
-                                                                                      (v, k0, k1)))
-        kwb = dict(kw)
-        if "alibi_slopes" in kwb:
-            kwb["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
-        if k1 == k0:  # no key: out 0, lse -inf, zero grads
-            assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1])) and torch.isneginf(lse[:, q0:q1]).all()
-            assert torch.equal(dq[q0:q1], torch.zeros_like(dq[q0:q1]))
+        qb, kb, vb, kwb = _sequence(q, k, v, kw, b, q0, q1, k0, k1)
+        if k1 == k0:
+            _assert_keyless(out, lse, dq, q0, q1)
             continue
         ob, lseb, _ = flash_attn_func(qb, kb, vb, return_attn_probs=True, **kwb)
         gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[q0:q1][None])
@@ -309,15 +320,10 @@ def test_varlen_bias_and_masks_equal_dense_per_sequence(what, shape, dtype, kw, 
             assert torch.equal(dk[k0:k1], torch.zeros_like(dk[k0:k1]))
             assert torch.equal(dv[k0:k1], torch.zeros_like(dv[k0:k1]))
             continue
-        if lk == 0:  # no key: out 0, lse -inf, zero grads
-            assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1])) and torch.isneginf(lse[:, q0:q1]).all()
-            assert torch.equal(dq[q0:q1], torch.zeros_like(dq[q0:q1]))
+        if lk == 0:
+            _assert_keyless(out, lse, dq, q0, q1)
             continue
-        qb, kb, vb = (t.detach()[a:z][None].clone().requires_grad_() for t, a, z in ((q, q0, q1), (k, k0, k1),
-                                                                                      (v, k0, k1)))
-        kwb = dict(kw)
-        if "alibi_slopes" in kwb:
-            kwb["alibi_slopes"] = kw["alibi_slopes"][b:b + 1]
+        qb, kb, vb, kwb = _sequence(q, k, v, kw, b, q0, q1, k0, k1)
         extra_b, wrt_b = {}, (qb, kb, vb)
         for name, t in extra.items():
             sel = t[b:b + 1] if t.shape[0] > 1 else t[:1]

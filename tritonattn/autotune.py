@@ -27,6 +27,7 @@ import torch
 
 from tritonattn import configs
 from tritonattn.configs import TileConfig
+from tritonattn.kernels.launch import next_pow2
 
 ENV = "TRITONATTN_AUTOTUNE"
 _memory: dict[str, TileConfig] = {}
@@ -34,16 +35,12 @@ _lock = threading.Lock()
 
 
 def enabled(q: torch.Tensor) -> bool:
-    return q.is_cuda and os.environ.get(ENV, "0") not in ("", "0")
+    return q.is_cuda and configs.env_flag(ENV)
 
 
 def cache_path() -> str:
     root = os.environ.get("TRITONATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tritonattn")
     return os.path.join(root, "autotune.json")
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def make_key(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: dict) -> str:
@@ -52,7 +49,7 @@ def make_key(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: 
     dev = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else q.device.type
     variant = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(flags.items()))
     return (f"{dev}|triton {triton.__version__}|{mode}|D{configs.padded_head_dim(q.shape[-1])}|{q.dtype}|"
-            f"causal={int(bool(causal))}|Sq{_bucket(Sq)}|Sk{_bucket(Sk)}|{variant}")
+            f"causal={int(bool(causal))}|Sq{next_pow2(Sq)}|Sk{next_pow2(Sk)}|{variant}")
 
 
 def candidates(mode: str, head_dim: int, Sq: int, Sk: int, default: TileConfig) -> list[TileConfig]:
@@ -62,7 +59,7 @@ def candidates(mode: str, head_dim: int, Sq: int, Sk: int, default: TileConfig) 
     for cfg in pool:
         if cfg in out:
             continue
-        if cfg.block_m > max(16, _bucket(Sq)) or cfg.block_n > max(16, _bucket(Sk)):
+        if cfg.block_m > max(16, next_pow2(Sq)) or cfg.block_n > max(16, next_pow2(Sk)):
             continue
         out.append(cfg)
     return out

@@ -21,9 +21,14 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
+def env_flag(name: str) -> bool:
+    """An on/off environment switch: unset, "" and "0" are off, anything else on."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 def interpreting() -> bool:
     """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_flag("TRITON_INTERPRET")
 
 
 def padded_head_dim(head_dim: int) -> int:

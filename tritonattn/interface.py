@@ -9,12 +9,11 @@ gets zero gradients.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
-from tritonattn.configs import interpreting
+from tritonattn.configs import env_flag, interpreting
 from tritonattn.kernels.bwd import attention_probs
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
@@ -334,7 +333,7 @@ def attention(
 def _debug_checks() -> bool:
     """Checks that need a device sync (cu_seqlens contents) run on CPU tensors always, and on CUDA
     tensors only with TRITONATTN_DEBUG=1."""
-    return os.environ.get("TRITONATTN_DEBUG", "0") not in ("", "0")
+    return env_flag("TRITONATTN_DEBUG")
 
 
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False) -> None:

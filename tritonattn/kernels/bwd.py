@@ -7,7 +7,6 @@ the group without an expanded K/V or a reduction pass. With dropout, dS = P * (d
 where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.
 """
 
-import os
 
 import torch
 import triton
@@ -581,7 +580,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 def atomic_dq_enabled() -> bool:
     """TRITONATTN_ATOMIC_DQ=1: the opt-in, non-deterministic backward (dQ accumulated with atomics
     by the dK/dV kernel; no dQ kernel). Calls with ``deterministic=True`` keep the default path."""
-    return os.environ.get("TRITONATTN_ATOMIC_DQ", "0") not in ("", "0")
+    return configs.env_flag("TRITONATTN_ATOMIC_DQ")
 
 
 def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, scales, flags):
