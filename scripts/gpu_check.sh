@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, the whole test suite (GPU tier included), the main
-# job, and the benchmark. Logs and results go to $OUT (the device tool brings them back).
+# job, and the benchmark. Logs and results go to $OUT (the device tool brings them back), also
+# packed as $OUT/all.tar.gz (the device tool brings back at most 8 files).
 #   scripts/gpu_check.sh                 tests + main job + benchmark (BENCH_ARGS, default: llama grid)
 #   SKIP_TESTS=1 scripts/gpu_check.sh    benchmark only
 #   SKIP_BENCH=1 scripts/gpu_check.sh    tests only
 #   SKIP_EXTRA=1                         without scripts/overhead.py and scripts/integration_gpu.py
+#   TUNE_ARGS="--modes fwd ..."          also run scripts/tune.py with these arguments (after the bench)
+#   TESTS_WALL=540                       stop the test run after this many seconds (its log stays)
+# With two or more GPUs the tests run on the last one, in the background, while the main job,
+# extras, bench and tune run on GPU 0, so one call does both.
 set -uo pipefail
 OUT=${OUT:-/tmp/tritonattn-gpu}
 mkdir -p "$OUT"
@@ -14,12 +19,28 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/env.txt"
 echo "commit ${TRITONATTN_COMMIT:-unknown}" | tee -a "$OUT/env.txt"
+ngpu=$(nvidia-smi -L | grep -c "^GPU")
 
-if [ -z "${SKIP_TESTS:-}" ]; then
+run_tests() {
   # -v: every result line names its test, so a run cut short still says what failed
-  python3 -m pytest -v -rf -p no:cacheprovider -n ${PYTEST_WORKERS:-12} --timeout ${PYTEST_TIMEOUT:-600} \
-    --maxfail=25 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
-  status=${PIPESTATUS[0]}
+  timeout "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "${PYTEST_WORKERS:-12}" \
+    --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
+  local rc=$?
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40
+  return $rc
+}
+
+tests_pid=""
+if [ -z "${SKIP_TESTS:-}" ]; then
+  if [ "$ngpu" -ge 2 ]; then
+    echo "tests on GPU $((ngpu - 1)) in the background; everything else on GPU 0"
+    (export CUDA_VISIBLE_DEVICES=$((ngpu - 1)); run_tests) &
+    tests_pid=$!
+    export CUDA_VISIBLE_DEVICES=0
+  else
+    run_tests
+    status=$?
+  fi
   python3 -m tritonattn 2>&1 | tee "$OUT/main.log"
 fi
 
@@ -34,4 +55,16 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m tritonattn.bench ${BENCH_ARGS:---grid llama} --out "$OUT/bench" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
   tail -5 "$OUT/bench.err"
 fi
+
+if [ -n "${TUNE_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  python3 scripts/tune.py $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | tail -40
+fi
+
+if [ -n "$tests_pid" ]; then
+  wait "$tests_pid"
+  status=$?
+  echo "tests exit status $status"
+fi
+(cd "$OUT" && tar czf all.tar.gz --exclude=all.tar.gz .)
 exit $status
