@@ -9,6 +9,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# checks that need a device sync (cu_seqlens / cache_seqlens contents) are on in the tests, also on the
+# GPU: without them a bad cache_seqlens indexes past the cache (a device assert that poisons the process)
+os.environ.setdefault("TRITONATTN_DEBUG", "1")
 
 import pytest  # noqa: E402
 
