@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--all-configs", action="store_true")
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--only", help="only the cases whose label contains this")
     args = p.parse_args(argv)
 
     driver.set_active(_Sm90Driver())
@@ -87,10 +88,7 @@ def main(argv=None) -> int:
     from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 
     # the table's sm90 configs, as on a CUDA device
-    configs._lookup = lambda mode, q, causal: configs._override.get(mode) or configs._SM90[mode][
-        (configs.padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
-    configs.tile_config = lambda q: configs._TILE[q.element_size()]
-    configs.decode_config = lambda q: configs._DECODE[(configs.padded_head_dim(q.shape[-1]), 2)]
+    configs._on_device = lambda q: True
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -158,10 +156,16 @@ def main(argv=None) -> int:
                  dict(base, kv_lens=torch.full((2,), 200, dtype=torch.int32),
                       kv_leftpad=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 16, dtype=torch.int32),
                       page_size=16, kv_page_strides=(16 * 2 * 128, 16 * 2 * 128)), {}),
+                *[(f"all-variants-D{D}-{dt}", D, dtypes[dt],
+                   dict(win_left=48, win_right=0, softcap=20.0, alibi_slopes=alibi, dropout_p=0.1, seed=seed,
+                        bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)) for D in (64, 96, 128, 256)],
+                (f"dropout-key-bias-D96-{dt}", 96, dtypes[dt],
+                 dict(base, dropout_p=0.25, seed=seed, bias=torch.randn(S).expand(2, 4, S, S)), dict(bias_grad=True)),
                 (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
+    plans = [p for p in plans if not args.only or args.only in p[0]]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
     for label, D, dtype, var_kw, run_kw in plans:
         start = len(RESULTS)

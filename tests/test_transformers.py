@@ -158,7 +158,7 @@ def test_mask_function():
     assert bi.shape == (2, 1, 1, 12) and torch.equal(bi[:, 0, 0], pad)
     # anything else: sdpa's boolean (B, 1, q_len, kv_len)
     others = [
-        dict(mask_function=mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))),
+        dict(mask_function=mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long, device=DEVICE))),
         dict(mask_function=mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 5)),
         dict(mask_function=mu.sliding_window_causal_mask_function(6), local_size=5),  # inconsistent window
         dict(allow_is_causal_skip=False),  # the caller wants the mask materialised

@@ -213,6 +213,8 @@ COMBOS = [
     (1, 129, 65, 6, 2, 80, False, (10, 30), 30.0, True, 0.1, (1, 6, 129, 65), F32),
     (2, 33, 47, 4, 1, 96, True, (-1, -1), 0.0, False, 0.25, (47,), BF16),
     (1, 100, 100, 2, 2, 128, False, (5, 5), 4.0, True, 0.0, (1, 2, 100, 100), F16),
+    # D=256 with every tile-sized extra at once: the tile configs must leave shared memory for them
+    (1, 70, 90, 2, 1, 256, True, (30, -1), 10.0, True, 0.1, (1, 2, 70, 90), BF16),
 ]
 
 

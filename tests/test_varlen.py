@@ -351,8 +351,8 @@ def test_varlen_bias_and_masks_equal_dense_per_sequence(what, shape, dtype, kw, 
         if b == 3:  # the longest sequence, against the fp64 reference too
             check_against_reference(qb, kb, vb, ob, lseb, (gq, gk, gv), dout[q0:q1][None], kw.get("causal", False),
                                     dbias=mine, **extra_b, **{n: x for n, x in kwb.items() if n != "causal"})
-    if shape == "1H":
-        assert torch.equal(dbias, summed)
+    if shape == "1H":  # the same fp32 sum over sequences; the GPU kernel may round the order differently
+        torch.testing.assert_close(dbias, summed, rtol=1e-5, atol=1e-6)
     elif dbias is not None:  # sequences without a query or a key contribute nothing
         assert not dbias[2].any() and not dbias[4].any()
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 
 class TileConfig(NamedTuple):
@@ -138,10 +139,16 @@ def table_configs() -> dict[str, dict[tuple[int, int, bool], TileConfig]]:
     return _SM90
 
 
+def _on_device(q: torch.Tensor) -> bool:
+    """The GPU tables apply (not the interpreter's small tiles); scripts/compile_check.py makes
+    this True for CPU tensors to compile the GPU configs for sm_90."""
+    return q.device.type == "cuda"
+
+
 def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
     if mode in _override:
         return _override[mode]
-    if q.device.type != "cuda":
+    if not _on_device(q):
         return _INTERP[mode]
     # sm90 table; other arches use it too until they have measurements of their own
     return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
@@ -153,17 +160,31 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> T
     memory than an H200 block may have (360 KB with a bias, 240 KB with dropout at D=128, found by
     scripts/compile_check.py), so the key block is capped at 64."""
     cfg = _lookup("fwd", q, causal)
-    if extra_smem and "fwd" not in _override and cfg.block_n > 64:
-        cfg = cfg._replace(block_n=64)
+    if extra_smem and "fwd" not in _override:
+        # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
+        cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64
+        if cfg.block_n > cap:
+            cfg = cfg._replace(block_n=cap)
     return cfg
 
 
-def backward_dkdv_config(q: torch.Tensor, causal: bool) -> TileConfig:
-    return _lookup("bwd_dkdv", q, causal)
+def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool) -> TileConfig:
+    """``extra_smem`` as for :func:`forward_config`: a bias / mask tile and dropout's bits next to
+    each score tile. A third pipeline stage then no longer fits in an H200 block's shared memory
+    (dQ with a bias and dropout at D=128: 237568 bytes of 232448, found on the H200 and by
+    scripts/compile_check.py's combined cases), so those run two stages."""
+    cfg = _lookup(mode, q, causal)
+    if extra_smem and mode not in _override and cfg.num_stages > 2:
+        cfg = cfg._replace(num_stages=2)
+    return cfg
 
 
-def backward_dq_config(q: torch.Tensor, causal: bool) -> TileConfig:
-    return _lookup("bwd_dq", q, causal)
+def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
+    return _backward_config("bwd_dkdv", q, causal, extra_smem)
+
+
+def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
+    return _backward_config("bwd_dq", q, causal, extra_smem)
 
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:
@@ -173,7 +194,7 @@ def preprocess_config(q: torch.Tensor) -> TileConfig:
 def decode_config(q: torch.Tensor) -> TileConfig:
     if "decode" in _override:
         return _override["decode"]
-    if q.device.type != "cuda":
+    if not _on_device(q):
         return _DECODE_INTERP
     if q.element_size() == 4:
         return _DECODE_FP32
@@ -183,4 +204,50 @@ def decode_config(q: torch.Tensor) -> TileConfig:
 def tile_config(q: torch.Tensor) -> TileConfig:
     if "tile" in _override:
         return _override["tile"]
-    return _TILE[q.element_size()] if q.device.type == "cuda" else _TILE_INTERP
+    if not _on_device(q):
+        return _TILE_INTERP
+    cfg = _TILE[q.element_size()]
+    if padded_head_dim(q.shape[-1]) >= 256 and cfg.block_n > 32:  # D=256: 278528 bytes at 64 x 64
+        cfg = cfg._replace(block_n=32)
+    return cfg
+
+
+def _smaller(cfg: TileConfig) -> TileConfig | None:
+    """The next config to try when ``cfg`` needs more shared memory than the device has: fewer
+    pipeline stages (down to 2), then half the key block, half the query block, one stage."""
+    if cfg.num_stages > 2:
+        return cfg._replace(num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 16:
+        return cfg._replace(block_n=cfg.block_n // 2)
+    if cfg.block_m > 16:
+        return cfg._replace(block_m=cfg.block_m // 2)
+    if cfg.num_stages > 1:
+        return cfg._replace(num_stages=1)
+    return None
+
+
+_FITTED: dict[tuple, TileConfig] = {}
+
+
+def fit(mode: str, cfg: TileConfig, flags: dict, dtype: torch.dtype, run) -> TileConfig:
+    """Launch ``run(cfg)``; if the kernel needs more shared memory than the device has (a variant
+    combination the table's entry was not measured with), shrink the config step by step
+    (:func:`_smaller`), log it once, and remember the config that fits for these flags."""
+    key, first = None, cfg
+    if _FITTED:  # empty unless some config did not fit: no key to build on the usual path
+        key = (mode, cfg, dtype, tuple(sorted(flags.items())))
+        cfg = _FITTED.get(key, cfg)
+    while True:
+        try:
+            run(cfg)
+            return cfg
+        except OutOfResources as e:
+            smaller = _smaller(cfg)
+            if smaller is None:
+                raise
+            import logging
+
+            logging.getLogger("tritonattn").warning(
+                "%s tile config %s does not fit (%s); using %s", mode, tuple(cfg), e, tuple(smaller))
+            key = key or (mode, first, dtype, tuple(sorted(flags.items())))
+            _FITTED[key] = cfg = smaller

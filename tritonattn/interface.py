@@ -145,7 +145,9 @@ def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> N
                                  f"got {tuple(m.shape)}")
             m = m[:, None, None, :]
         broadcastable(name, m)
-        m = m.expand(full).view(torch.uint8)
+        # the kernels read bytes: a free view in eager mode; inductor cannot lower a bool -> uint8 view,
+        # so while compiling the (unexpanded) mask is converted, which it fuses into its producer
+        m = (m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)).expand(full)
         # one boolean per key: no S x S read (a size-1 head or query dim, e.g. Sq = 1 when decoding,
         # keeps the stride of the dim it was unsqueezed next to, and is read at index 0 only)
         if (m.stride(1) == 0 or full[1] == 1) and (m.stride(2) == 0 or full[2] == 1):

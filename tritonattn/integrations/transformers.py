@@ -31,6 +31,10 @@ from __future__ import annotations
 import functools
 
 import torch
+# imported here, not inside the functions: torch.compile cannot trace an import through
+# transformers' lazy module (a graph break with transformers 5.17)
+from transformers import masking_utils as mu
+from transformers.utils.import_utils import is_tracing
 
 NAME = "tritonattn"
 # set by tritonattn_mask on a 2D padding mask of a sliding-window layer: the window, in transformers' terms
@@ -114,7 +118,6 @@ def _mask_pattern(mask_function, local_size) -> tuple[bool, int | None] | None:
     tritonattn's flags express (causal, bidirectional, sliding-window causal), else None. Recognised by
     identity / code object, so anything composed differently (chunked, packed, ``or`` / ``and``
     overlays, user functions) is not mistaken for one of them."""
-    from transformers import masking_utils as mu
 
     if mask_function is mu.causal_mask_function:
         return True, None
@@ -138,7 +141,6 @@ def _mask_pattern(mask_function, local_size) -> tuple[bool, int | None] | None:
 
 @functools.cache
 def _codes():
-    from transformers import masking_utils as mu
 
     return (mu.and_masks(mu.causal_mask_function).__code__,
             mu.sliding_window_overlay(1).__code__)
@@ -168,7 +170,6 @@ def tritonattn_mask(
     key (``q_offset + q_length == kv_offset + kv_length``, int offsets: no cache or dynamic caches),
     and the caller to accept an unmaterialised mask (``allow_is_causal_skip`` /
     ``allow_is_bidirectional_skip``). Anything else is ``sdpa_mask``'s boolean 4D mask."""
-    from transformers import masking_utils as mu
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
@@ -198,8 +199,6 @@ def tritonattn_mask(
 def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
     """The (batch, kv_length) boolean key mask of the keys the attention will see, or None when
     nothing is padded (not checked while tracing: that would read the mask's values)."""
-    from transformers import masking_utils as mu
-    from transformers.utils.import_utils import is_tracing
 
     if attention_mask is None:
         return None
@@ -212,7 +211,7 @@ def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset:
 def register() -> None:
     """Register ``"tritonattn"`` with transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    ALL_MASK_ATTENTION_FUNCTIONS = mu.ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(NAME, tritonattn_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, tritonattn_mask)

@@ -486,18 +486,21 @@ def _dot_args(q):
 def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h: int, with_grad: bool):
     """Fill ``out`` ((B_out, H_out, Sq, Sk), any strides) with probabilities or dBias tiles."""
     _, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
-    cfg = configs.tile_config(q)
-    grid = (cdiv(Sq, cfg.block_m), cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
-    launch(_tile_kernel, grid, (
-        q, k, v, do, lse, delta, out,
-        *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
-        *var.kernel_args(q), *var.seq_args(q, lse),
-        Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(), sum_b, sum_h, out.shape[1],
-    ), dict(
-        **var.constexprs(),
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        WITH_GRAD=with_grad, **_dot_args(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ))
+    flags = dict(**var.constexprs(), HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), WITH_GRAD=with_grad,
+                 **_dot_args(q))
+
+    def run(cfg):
+        grid = (cdiv(Sq, cfg.block_m), cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
+        launch(_tile_kernel, grid, (
+            q, k, v, do, lse, delta, out,
+            *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
+            *var.kernel_args(q), *var.seq_args(q, lse),
+            Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(), sum_b, sum_h, out.shape[1],
+        ), dict(
+            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ))
+
+    configs.fit("tile", configs.tile_config(q), flags, q.dtype, run)
 
 
 def attention_probs(q, k, v, lse, var: Variants):
@@ -563,8 +566,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             num_stages=cfg.num_stages,
         ))
 
-    cfg = configs.backward_dkdv_config(q, var.causal)
-    run_dkdv(autotune.tuned("bwd_dkdv", q, var.causal, Sq, Sk, dict(flags, ATOMIC_DQ=atomic_dq), cfg, run_dkdv))
+    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem)
+    dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq)
+    configs.fit("bwd_dkdv", autotune.tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv), dkdv_flags,
+                q.dtype, run_dkdv)
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
@@ -594,8 +599,8 @@ def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, sc
             **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
 
-    cfg = configs.backward_dq_config(q, var.causal)
-    run(autotune.tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run))
+    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem)
+    configs.fit("bwd_dq", autotune.tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run), flags, q.dtype, run)
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

@@ -6,7 +6,7 @@ import triton.language as tl
 from tritonattn import autotune, configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels.launch import cdiv, launch
-from tritonattn.kernels.variants import MASK_TILE, Variants
+from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
@@ -204,8 +204,7 @@ def attention_forward(q, k, v, var: Variants):
     lse = alloc(var.lse_shape(q), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or Sq == 0:
         return out, lse
-    cfg = configs.forward_config(q, var.causal, extra_smem=var.bias is not None or var.mask_kind == MASK_TILE
-                                 or var.dropout_p > 0)
+    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
                  PRECISION=configs.dot_precision(q.dtype))
@@ -219,5 +218,5 @@ def attention_forward(q, k, v, var: Variants):
         ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages))
 
-    run(autotune.tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run))
+    configs.fit("fwd", autotune.tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run), flags, q.dtype, run)
     return out, lse

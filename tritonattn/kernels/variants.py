@@ -77,6 +77,12 @@ class Variants:
     def causal(self) -> bool:
         return self.win_right == 0
 
+    @property
+    def extra_smem(self) -> bool:
+        """A bias or mask tile is read next to each score tile, or dropout's random bits are
+        reshaped: the tile configs leave room for them (see configs.forward_config)."""
+        return self.bias is not None or self.mask_kind == MASK_TILE or self.dropout_p > 0
+
     def constexprs(self) -> dict:
         return dict(
             WIN_LEFT=self.win_left is not None, WIN_RIGHT=self.win_right is not None, SOFTCAP=self.softcap > 0,

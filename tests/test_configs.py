@@ -1,0 +1,53 @@
+"""configs.fit: a tile config that needs more shared memory than the device has is shrunk, not a crash."""
+
+import logging
+
+import pytest
+from triton.runtime.errors import OutOfResources
+
+from tritonattn import configs
+from tritonattn.configs import TileConfig as C
+
+
+def _fake_run(limit_bytes, seen):
+    """A launcher whose kernel needs (block_m + block_n) * 128 * 2 * stages bytes (a made-up model)."""
+
+    def run(cfg):
+        seen.append(cfg)
+        need = (cfg.block_m + cfg.block_n) * 128 * 2 * cfg.num_stages
+        if need > limit_bytes:
+            raise OutOfResources(need, limit_bytes, "shared memory")
+
+    return run
+
+
+def test_fit_shrinks_step_by_step_and_remembers(caplog, monkeypatch):
+    monkeypatch.setattr(configs, "_FITTED", {})
+    seen = []
+    run = _fake_run(60_000, seen)
+    with caplog.at_level(logging.WARNING, logger="tritonattn"):
+        got = configs.fit("fwd", C(128, 128, 8, 3), {"A": 1}, "bf16", run)
+    # stages 3 -> 2, then halve the key block until it fits: (128+32)*256*2 = 81920 > 60000, (128+16) too
+    assert seen[:3] == [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 2)]
+    assert got == seen[-1] and (got.block_m + got.block_n) * 256 * got.num_stages <= 60_000
+    assert "does not fit" in caplog.text
+    # the next call with the same flags starts from the config that fits: one launch
+    seen.clear()
+    assert configs.fit("fwd", C(128, 128, 8, 3), {"A": 1}, "bf16", run) == got and seen == [got]
+    # other flags are a different kernel: searched again
+    seen.clear()
+    configs.fit("fwd", C(128, 128, 8, 3), {"A": 2}, "bf16", run)
+    assert seen[0] == C(128, 128, 8, 3)
+
+
+def test_fit_gives_up_with_the_error():
+    with pytest.raises(OutOfResources):
+        configs.fit("fwd", C(16, 16, 4, 1), {}, "bf16", _fake_run(10, []))
+
+
+def test_fit_passes_other_errors_through():
+    def run(cfg):
+        raise ValueError("not a resource problem")
+
+    with pytest.raises(ValueError, match="not a resource"):
+        configs.fit("fwd", C(64, 64, 4, 2), {}, "bf16", run)
