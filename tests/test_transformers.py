@@ -125,7 +125,10 @@ def test_compiled_forward_with_padding(name, mask_kinds):
     eager = fn(ids, mask)
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(ids, mask)
-    assert torch.equal(eager, compiled)
+    if name == "llama":  # the same path traced: the same kernels
+        assert torch.equal(eager, compiled)
+    else:  # eager takes the key-padding path, the trace the S x S mask (other tiles: other rounding)
+        torch.testing.assert_close(eager, compiled, rtol=1e-4, atol=1e-5)
     assert MASK_KEYS in mask_kinds and (MASK_TILE in mask_kinds) == (name != "llama"), mask_kinds
 
 

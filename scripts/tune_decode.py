@@ -1,0 +1,91 @@
+"""Sweep the split-KV decoding kernel: tile config x number of splits, in GB/s of K/V read.
+
+For each (batch, cache length) of the decode grid's shape (Hq=32, Hkv=8, D=128, bf16, Sq=1) it
+times ``flash_attn_with_kvcache`` with each candidate ``configs._DECODE`` entry forced and with
+``num_splits`` = the heuristic's choice x 1/2, 1, 2, 4; and cuDNN / FA2 SDPA on the same shape for
+the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout, CSV under $OUT.
+
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
+from tritonattn.configs import TileConfig as C  # noqa: E402
+from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
+
+CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), C(0, 64, 8, 3), C(0, 128, 8, 3),
+              C(0, 32, 4, 4), C(0, 256, 8, 2)]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
+    args = p.parse_args(argv)
+    Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
+    rows = []
+    print("| B | L | config | splits | ms | GB/s | x cuDNN |\n|---|---|---|---|---|---|---|")
+    for B in args.batches:
+        for L in args.lengths:
+            q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dt)
+            kc = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
+            vc = torch.randn(B, L, Hkv, D, device="cuda", dtype=dt)
+            gbytes = 2 * kc.numel() * kc.element_size() / 1e9
+            peers = {}
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+            for name, be in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+                             ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with torch.nn.attention.sdpa_kernel(be):
+                        peers[name] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                            qt, kt, vt, enable_gqa=True))
+                except RuntimeError as e:
+                    print(f"peer {name}: {str(e).splitlines()[0]}", file=sys.stderr)
+            kt = vt = None  # noqa: F841 - free the peers' copies before the sweep
+            auto = pick_num_splits(B, Hkv, L, q.device)
+            ref = peers.get("cudnn") or min(peers.values())
+            for name, ms in peers.items():
+                rows.append(dict(B=B, L=L, config=f"sdpa-{name}", splits="", ms=ms, gbps=gbytes / ms * 1e3))
+                print(f"| {B} | {L} | sdpa-{name} | | {ms:.4f} | {gbytes / ms * 1e3:.0f} | {ref / ms:.2f} |",
+                      flush=True)
+            for cfg in CANDIDATES:
+                for splits in sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
+                    with configs.override(decode=cfg):
+                        try:
+                            ms = bench(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L, num_splits=splits))
+                        except Exception as e:  # noqa: BLE001
+                            print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                                  file=sys.stderr)
+                            continue
+                    rows.append(dict(B=B, L=L, config=str(tuple(cfg)), splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
+                    mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto else ""
+                    print(f"| {B} | {L} | {tuple(cfg)}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
+                          f"{ref / ms:.2f} |", flush=True)
+            q = kc = vc = None  # noqa: F841
+            torch.cuda.empty_cache()
+    path = os.path.join(os.environ.get("OUT", "."), "tune-decode.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
