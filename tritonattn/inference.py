@@ -99,7 +99,7 @@ def flash_attn_with_kvcache(
         num_splits: 1 runs the forward kernel (one program per query block, no split); > 1 runs the
             split-KV decoding kernel with that many key splits (every query of a kv head's GQA
             group in one tile, splits merged by log-sum-exp); 0 picks: split-KV when
-            ``seqlen_q * nheads / nheads_k <= 64``, with enough splits for ~2 waves of the GPU.
+            ``seqlen_q * nheads / nheads_k <= 64``, with about one wave of programs.
         return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
     """
     _check_tensor("q", q, 4)

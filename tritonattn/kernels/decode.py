@@ -142,9 +142,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Enough programs for about two waves of the GPU, and splits of at least 256 keys."""
+    """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
+    least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
+    a partial second wave costs up to 12% (batch 8: 5 splits 0.88x cuDNN, 2 splits 1.01x), and
+    one wave of long splits reads K/V at 3.9-4.5 TB/s."""
     sms = _sm_count(device)
-    want = cdiv(2 * sms, batch * kv_heads)
+    want = max(2, sms // (batch * kv_heads))
     return max(1, min(want, cdiv(capacity, 256), 128))
 
 
