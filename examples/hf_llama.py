@@ -41,41 +41,61 @@ def main() -> None:
     print(f"Llama ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, GQA {cfg['num_attention_heads']}/"
           f"{cfg['num_key_value_heads']}) on {torch.cuda.get_device_name() if gpu else 'CPU (interpreter)'}, "
           f"batch {args.batch}, seqlen {args.seqlen}, {dtype}")
-    print(f"{'backend':12} {'generate s':>10} {'train step s':>12} {'peak GiB':>9} {'loss':>8}")
+    print(f"{'backend':12} {'generate s':>10} {'train step s':>12} {'peak GiB':>9} {'loss':>8} {'first calls s':>13}")
+    print(f"{'':12} (warm: the second call of each; first calls: generation + step, compilation included)")
     first_tokens = None
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
     for attn in args.backends:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
         model.set_attn_implementation(attn)
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            prompt = ids[:, :32]
-            tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                                    pad_token_id=0)
-        gen_s = time.perf_counter() - t0
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        try:
-            if gpu:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        prompt = ids[:, :32]
+
+        def generate():
+            with torch.no_grad():
+                return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                                      do_sample=False, pad_token_id=0)
+
+        def train_step():
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        try:
+            sync()
+            t0 = time.perf_counter()
+            generate()
+            train_step()  # also creates the optimizer state
+            sync()
+            first_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens = generate()
+            sync()
+            gen_s = time.perf_counter() - t0
             if gpu:
-                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            loss = train_step()
+            sync()
             step_s = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
-            print(f"{attn:12} {gen_s:10.2f} {step_s:12.2f} {peak:9.2f} {loss.item():8.4f}")
+            print(f"{attn:12} {gen_s:10.2f} {step_s:12.2f} {peak:9.2f} {loss.item():8.4f} {first_s:13.2f}")
         except torch.OutOfMemoryError:
-            print(f"{attn:12} {gen_s:10.2f} {'out of memory':>12}")
-        if first_tokens is None:
-            first_tokens = tokens
-        else:
-            print(f"{'':12} greedy tokens equal to {args.backends[0]}'s: {torch.equal(tokens, first_tokens)}")
-        del model, opt
+            print(f"{attn:12} {'out of memory':>22}")
+            tokens = None
+        if tokens is not None:
+            if first_tokens is None:
+                first_tokens = tokens
+            else:
+                print(f"{'':12} greedy tokens equal to {args.backends[0]}'s: {torch.equal(tokens, first_tokens)}")
+        model = opt = None  # free before the next backend
         if gpu:
             torch.cuda.empty_cache()
 

@@ -83,6 +83,41 @@ def test_logits_and_grads_match_sdpa(padding, mask_kinds):
     assert set(mask_kinds) == ({MASK_NONE} if padding == "none" else {MASK_KEYS}), mask_kinds
 
 
+FAMILIES = {  # more families, against "eager" (Gemma 2 has no sdpa path in transformers: softcapping)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q / k norms
+    # logit softcapping, query_pre_attn_scalar scaling, sliding-window and full layers alternating
+    "gemma2-softcap-sw5": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=5, attn_logit_softcapping=20.0, final_logit_softcapping=None,
+        query_pre_attn_scalar=24)),
+    "gemma3-sw5": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=5, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_more_families_match_eager(name, mask_kinds):
+    """Qwen3, Gemma 2 (softcap, scaling, sliding windows) and Gemma 3 with left padding: logits, loss
+    and every gradient as transformers' eager attention gives them. Labels skip the positions that
+    follow padding (a padded query's output is 0 here and uniform in eager)."""
+    if not hasattr(transformers, FAMILIES[name][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[name][0]}")
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = _padding(ids, "left")
+    labels = torch.cat([torch.full_like(ids[:, :1], -100), ids[:, 1:].masked_fill(mask[:, :-1] == 0, -100)], 1)
+    results = []
+    for attn in ("eager", "tritonattn"):
+        config_cls, model_cls, extra = FAMILIES[name]
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**SIZES, **extra})).to(DEVICE)
+        model.set_attn_implementation(attn)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()
+                                                                 if p.grad is not None]))
+    _assert_same(results, mask)
+    assert MASK_KEYS in mask_kinds and MASK_TILE not in mask_kinds, mask_kinds
+
+
 @pytest.mark.parametrize("name", ["mistral-sw5", "qwen2moe-mixed-sw5"])
 def test_sliding_window_with_padding_matches_sdpa(name, mask_kinds):
     """Sequences longer than the window, left padding: the window goes with the key-padding mask."""
