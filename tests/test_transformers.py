@@ -57,11 +57,16 @@ def _padding(ids, where):
     return mask
 
 
-def _logits_and_grads(attn, ids, mask, name="llama"):
+def _logits_and_grads(attn, ids, mask, name="llama", labels=None):
     model = _model(attn, name)
-    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids if labels is None else labels)
     out.loss.backward()
     return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _labels_skipping_padding(ids, mask):
+    """Causal-LM labels that no padded position predicts (label t is predicted from position t - 1)."""
+    return torch.cat([torch.full_like(ids[:, :1], -100), ids[:, 1:].masked_fill(mask[:, :-1] == 0, -100)], 1)
 
 
 def _assert_same(results, mask):
@@ -103,7 +108,7 @@ def test_more_families_match_eager(name, mask_kinds):
         pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[name][0]}")
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask = _padding(ids, "left")
-    labels = torch.cat([torch.full_like(ids[:, :1], -100), ids[:, 1:].masked_fill(mask[:, :-1] == 0, -100)], 1)
+    labels = _labels_skipping_padding(ids, mask)
     results = []
     for attn in ("eager", "tritonattn"):
         config_cls, model_cls, extra = FAMILIES[name]
@@ -116,6 +121,60 @@ def test_more_families_match_eager(name, mask_kinds):
                                                                  if p.grad is not None]))
     _assert_same(results, mask)
     assert MASK_KEYS in mask_kinds and MASK_TILE not in mask_kinds, mask_kinds
+
+
+@pytest.fixture
+def varlen_flags(monkeypatch):
+    """For every kernel call through the autograd path: whether it ran variable-length."""
+    flags = []
+    real = tritonattn.ops.attention_forward
+
+    def spy(q, k, v, var):
+        flags.append(var.varlen)
+        return real(q, k, v, var)
+
+    monkeypatch.setattr(tritonattn.ops, "attention_forward", spy)
+    return flags
+
+
+@pytest.mark.parametrize("attn", [hf.NAME, hf.FLASH_PATH_NAME])
+def test_packed_sequences_match_separate(attn, varlen_flags):
+    """Packed sequences (batch 1, position_ids restarting, cu_seq_lens_* kwargs as transformers'
+    DataCollatorWithFlattening gives them) take the varlen path and give each sequence's logits as a
+    forward of that sequence alone does."""
+    lens = [5, 9, 7]
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 128, (1, n), generator=gen).to(DEVICE) for n in lens]
+    packed = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(DEVICE)
+    cu = torch.tensor([0, 5, 14, 21], dtype=torch.int32, device=DEVICE)
+    model = _model(attn)
+    logits = model(input_ids=packed, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9,
+                   max_length_k=9).logits
+    assert varlen_flags and all(varlen_flags), varlen_flags
+    ref = _model("sdpa")
+    for i, seq in enumerate(seqs):
+        alone = ref(input_ids=seq).logits
+        torch.testing.assert_close(logits[:, cu[i]:cu[i + 1]], alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"], ids=lambda p: f"{p}-padding")
+def test_flash_path_matches_sdpa(padding, varlen_flags):
+    """attn_implementation="tritonattn_fa": transformers' own flash-attention code (unpadding, varlen)
+    calling tritonattn's flash-attn-compatible functions. Same logits and gradients as sdpa; padded
+    batches run variable-length, as with flash-attn; greedy generation of a left-padded batch equal."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = _padding(ids, padding)
+    # flash-attn's path outputs 0 for padded queries (sdpa attends them to the keys before them), so the
+    # labels skip the positions that follow padding, as a real training run's would
+    labels = _labels_skipping_padding(ids, mask)
+    results = [_logits_and_grads(attn, ids, mask, labels=labels) for attn in ("sdpa", hf.FLASH_PATH_NAME)]
+    _assert_same(results, mask)
+    assert varlen_flags and all(varlen_flags) == (padding != "none"), varlen_flags
+    if padding == "left":
+        outs = [_model(a).generate(ids[:, :12], attention_mask=mask[:, :12], max_new_tokens=6, do_sample=False,
+                                   pad_token_id=0) for a in ("sdpa", hf.FLASH_PATH_NAME)]
+        assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("name", ["mistral-sw5", "qwen2moe-mixed-sw5"])

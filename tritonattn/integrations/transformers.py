@@ -21,6 +21,9 @@ treats such names as flash-attn hub kernels.
 - packed sequences (``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs, batch 1): the varlen path;
 - q / k / v of different dtypes (autocast: rotary embeddings return fp32 q / k) are cast to the
   autocast dtype, or to v's dtype without autocast;
+- ``attn_implementation="tritonattn_fa"`` instead runs transformers' own flash-attention code
+  (the one behind ``"flash_attention_2"``: unpadding, varlen, its kwargs handling) on tritonattn's
+  flash-attn-compatible functions, with the ``flash_attention_2`` mask function;
 - ``scaling``, ``dropout``, ``sliding_window`` (window of ``sliding_window - 1`` keys to the left,
   as transformers' flash path) and ``softcap`` are honoured; ``output_attentions=True`` raises. A 4D
   mask is the whole pattern, sliding window included (as ``sdpa`` reads it): no window is added.
@@ -31,12 +34,15 @@ from __future__ import annotations
 import functools
 
 import torch
+
 # imported here, not inside the functions: torch.compile cannot trace an import through
 # transformers' lazy module (a graph break with transformers 5.17)
 from transformers import masking_utils as mu
 from transformers.utils.import_utils import is_tracing
 
 NAME = "tritonattn"
+# transformers' own flash-attention path (unpad -> varlen) on tritonattn's flash-attn-compatible functions
+FLASH_PATH_NAME = "tritonattn_fa"
 # set by tritonattn_mask on a 2D padding mask of a sliding-window layer: the window, in transformers' terms
 WINDOW_ATTR = "tritonattn_sliding_window"
 
@@ -208,13 +214,55 @@ def _key_padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset:
     return padding
 
 
+def _flash_path_functions():
+    """flash-attn's five entry points as transformers' flash path loads them, served by tritonattn."""
+    from transformers import modeling_flash_attention_utils as fau
+
+    from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+    return flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fau._pad_input, fau._unpad_input
+
+
+def _install_flash_path() -> None:
+    """Teach transformers' flash-attention loader the name FLASH_PATH_NAME: it then returns
+    tritonattn's flash-attn-compatible functions instead of importing the ``flash_attn`` package or
+    a hub kernel. (transformers has no public hook for a local flash-attn implementation; this
+    wraps its loader, ``modeling_flash_attention_utils._lazy_imports``, for that one name only.)"""
+    from transformers import modeling_flash_attention_utils as fau
+
+    real = fau._lazy_imports
+    if getattr(real, "_tritonattn", False):
+        return
+
+    def lazy_imports(implementation, *args, **kwargs):
+        if implementation == FLASH_PATH_NAME:
+            return _flash_path_functions()
+        return real(implementation, *args, **kwargs)
+
+    lazy_imports._tritonattn = True
+    fau._lazy_imports = lazy_imports
+
+
+def tritonattn_flash_path_forward(module, query, key, value, attention_mask, **kwargs):
+    """``attn_implementation="tritonattn_fa"``: transformers' own flash-attention path (its unpadding,
+    varlen and kwargs handling, exactly as for ``"flash_attention_2"``) running on tritonattn."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register() -> None:
-    """Register ``"tritonattn"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"tritonattn"`` (and ``"tritonattn_fa"``, transformers' own flash-attention path on
+    tritonattn's flash-attn-compatible functions) with transformers' attention and mask interfaces
+    (idempotent)."""
     from transformers import AttentionInterface
     ALL_MASK_ATTENTION_FUNCTIONS = mu.ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(NAME, tritonattn_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, tritonattn_mask)
+    _install_flash_path()
+    AttentionInterface.register(FLASH_PATH_NAME, tritonattn_flash_path_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FLASH_PATH_NAME, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
 
 
 register()
