@@ -51,3 +51,18 @@ def test_fit_passes_other_errors_through():
 
     with pytest.raises(ValueError, match="not a resource"):
         configs.fit("fwd", C(64, 64, 4, 2), {}, "bf16", run)
+
+
+def test_launch_cache_key_of_arguments():
+    """The launch cache's argument key: ints by value, tensors by dtype and 16-byte alignment (what
+    Triton specializes on), tensor subclasses like plain tensors, anything else by type."""
+    import torch
+
+    from tritonattn.kernels.launch import _args_key, _key_of
+
+    t = torch.zeros(64)
+    args = (t, t[1:], torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), 16, 1, 7, 2.5, None, True)
+    key = _args_key(args)
+    assert key == tuple(map(_key_of, args))
+    assert key[:6] == ((torch.float32, True), (torch.float32, False), (torch.float16, True), 16, 1, 7)
+    assert key[6:] == (float, None, bool)

@@ -36,6 +36,7 @@ def next_pow2(n: int) -> int:
 
 
 def _key_of(a):
+    """What Triton specializes one argument on (see the module docstring)."""
     t = type(a)
     if t is int:
         return a
@@ -46,13 +47,23 @@ def _key_of(a):
     return t
 
 
+_Tensor = torch.Tensor
+
+
+def _args_key(args: tuple) -> tuple:
+    """``tuple(map(_key_of, args))`` with the two common cases inlined (6 of 15 us at 56 arguments on
+    a 2-core CPU); tensor subclasses and other types take ``_key_of``."""
+    return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor else _key_of(a)
+                  for a in args])
+
+
 def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``: args are the runtime arguments in order, kwargs every
     constexpr plus num_warps / num_stages."""
     if not ENABLED or not args[0].is_cuda:  # CPU tensors: the interpreter
         fn[grid](*args, **kwargs)
         return
-    key = (fn, grid.__len__(), tuple(map(_key_of, args)), tuple(kwargs.items()), args[0].device.index)
+    key = (fn, grid.__len__(), _args_key(args), tuple(kwargs.items()), args[0].device.index)
     kernel = _cache.get(key)
     if kernel is None:
         kernel = fn[grid](*args, **kwargs)
