@@ -243,3 +243,44 @@ def test_autotune_end_to_end(tmp_path, monkeypatch, poison):
 
     modes = {key.split("|")[2] for key in json.loads((tmp_path / "autotune.json").read_text())}
     assert modes == {"fwd", "bwd_dkdv", "bwd_dq"}
+
+
+@pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "forward-kernel"])
+def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
+    """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph
+    and replayed with new inputs equals the eager call: nothing in the path syncs with the host or
+    keeps host-side state (what serving engines and torch.compile's "reduce-overhead" need). The
+    content checks of TRITONATTN_DEBUG sync, so they are off here, as they are by default."""
+    from tritonattn import flash_attn_with_kvcache
+
+    monkeypatch.setenv("TRITONATTN_DEBUG", "0")
+    torch.manual_seed(11)
+    B, Hq, Hkv, D, cap = 2, 8, 2, 64, 512
+    cache0 = [torch.randn(B, cap, Hkv, D, device="cuda", dtype=BF16) for _ in range(2)]
+    q, knew, vnew = (torch.randn(B, 1, h, D, device="cuda", dtype=BF16) for h in (Hq, Hkv, Hkv))
+    seqlens = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, causal=True,
+                                       num_splits=splits)
+
+    kc_g, vc_g = (c.clone() for c in cache0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, allocator) off the capture
+        step(kc_g, vc_g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = step(kc_g, vc_g)
+    kc_e, vc_e = kc_g.clone(), vc_g.clone()  # the eager twin starts from the same cache
+    for lens in ([57, 411], [0, 511]):
+        q.copy_(torch.randn_like(q))
+        knew.copy_(torch.randn_like(knew))
+        vnew.copy_(torch.randn_like(vnew))
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        ref = step(kc_e, vc_e)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, ref), lens
+        assert torch.equal(kc_g, kc_e) and torch.equal(vc_g, vc_e), lens
