@@ -23,7 +23,7 @@ ngpu=$(nvidia-smi -L | grep -c "^GPU")
 
 run_tests() {
   # -v: every result line names its test, so a run cut short still says what failed
-  timeout "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "${PYTEST_WORKERS:-12}" \
+  timeout "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "${PYTEST_WORKERS:-$(( $(nproc) * 3 / 4 ))}" \
     --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
   local rc=$?
   grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40
