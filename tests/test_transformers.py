@@ -34,18 +34,29 @@ def _model(attn, name="llama", **cfg):
     return model
 
 
-@pytest.fixture
-def mask_kinds(monkeypatch):
-    """The mask kind of every kernel call that went through the autograd path (``attention()``)."""
-    kinds = []
+def _spy_kernel_calls(monkeypatch, attr):
+    """A list that gets ``var.<attr>`` of every forward kernel call through the autograd path."""
+    seen = []
     real = tritonattn.ops.attention_forward
 
     def spy(q, k, v, var):
-        kinds.append(var.mask_kind)
+        seen.append(getattr(var, attr))
         return real(q, k, v, var)
 
     monkeypatch.setattr(tritonattn.ops, "attention_forward", spy)
-    return kinds
+    return seen
+
+
+@pytest.fixture
+def mask_kinds(monkeypatch):
+    """The mask kind of every kernel call that went through the autograd path (``attention()``)."""
+    return _spy_kernel_calls(monkeypatch, "mask_kind")
+
+
+@pytest.fixture
+def varlen_flags(monkeypatch):
+    """For every kernel call through the autograd path: whether it ran variable-length."""
+    return _spy_kernel_calls(monkeypatch, "varlen")
 
 
 def _padding(ids, where):
@@ -121,20 +132,6 @@ def test_more_families_match_eager(name, mask_kinds):
                                                                  if p.grad is not None]))
     _assert_same(results, mask)
     assert MASK_KEYS in mask_kinds and MASK_TILE not in mask_kinds, mask_kinds
-
-
-@pytest.fixture
-def varlen_flags(monkeypatch):
-    """For every kernel call through the autograd path: whether it ran variable-length."""
-    flags = []
-    real = tritonattn.ops.attention_forward
-
-    def spy(q, k, v, var):
-        flags.append(var.varlen)
-        return real(q, k, v, var)
-
-    monkeypatch.setattr(tritonattn.ops, "attention_forward", spy)
-    return flags
 
 
 @pytest.mark.parametrize("attn", [hf.NAME, hf.FLASH_PATH_NAME])
