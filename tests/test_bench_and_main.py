@@ -39,6 +39,17 @@ def test_tiny_grid_end_to_end(tmp_path, capsys):
     assert "| B1-H2/1-S40-D64-causal-fp16 | bwd |" in capsys.readouterr().out
 
 
+def test_time_budget_stops_between_shapes(tmp_path, capsys):
+    """--time-budget 0: the first shape is measured, no other; its rows are in the CSV and the table."""
+    rc = main(["--grid", "tiny", "--seqlens", "40", "--modes", "fwd", "--time-budget", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "time budget of 0 s spent: 1 of 2 shapes measured" in out
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert len(rows) == 1 and float(rows[0]["ms"]) > 0
+    assert f"| {rows[0]['shape']} | fwd |" in out
+
+
 def test_variant_backends_report_their_cost(tmp_path, capsys):
     rc = main(["--grid", "tiny", "--seqlens", "40", "--causal", "yes", "--modes", "fwd", "--out", str(tmp_path),
                "--backends", "tritonattn", "tritonattn+window256", "tritonattn+bias-grad", "tritonattn+dropout"])

@@ -25,6 +25,7 @@ import csv
 import datetime
 import os
 import sys
+import time
 
 import torch
 
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="+", choices=ALL_BACKENDS,
                    default=["tritonattn", *PEERS] if on_gpu else ["tritonattn"])
     p.add_argument("--out", default=None, help="folder for results.csv and plots (default: benchmarks/results/<date>)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="measure no new shape after this many seconds; the tables cover what was measured")
     args = p.parse_args(argv)
 
     if not on_gpu and any(not b.startswith("tritonattn") for b in args.backends):
@@ -183,16 +186,20 @@ def main(argv=None) -> int:
     env = environment()
     print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | cuDNN {env['cudnn']} | "
           f"commit {env['commit']} | {datetime.date.today()}", flush=True)
+    out = args.out or os.path.join("benchmarks", "results", str(datetime.date.today()))
+    os.makedirs(out, exist_ok=True)
     rows = []
-    for shape in shapes:
+    start = time.monotonic()
+    for i, shape in enumerate(shapes):
+        if args.time_budget is not None and i and time.monotonic() - start > args.time_budget:
+            print(f"time budget of {args.time_budget:g} s spent: {i} of {len(shapes)} shapes measured", flush=True)
+            break
         got = measure_shape(shape, args.backends, args.modes, env)
         rows += got
         summary = " ".join(f"{r['backend']}:{r['mode']}={r['tflops']:.3g}" for r in got if r["tflops"])
         print(f"  {shape.label()}: {summary}", file=sys.stderr, flush=True)
+        write_csv(rows, os.path.join(out, "results.csv"))  # after every shape: a run cut short keeps its rows
 
-    out = args.out or os.path.join("benchmarks", "results", str(datetime.date.today()))
-    os.makedirs(out, exist_ok=True)
-    write_csv(rows, os.path.join(out, "results.csv"))
     print_table([r for r in rows if r["grid"] not in ("seed004", "decode")])
     print_decode_table(rows)
     print_seed004(rows)
