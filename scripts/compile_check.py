@@ -92,7 +92,10 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False):
+    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None):
+        if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
+            with configs.override(bwd_dkdv=dkdv):
+                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq)
         B, S, Hq, Hkv = 2, 256, 4, 2
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, S, Hq, D), (B, S, Hkv, D))
         if varlen:
@@ -165,6 +168,12 @@ def main(argv=None) -> int:
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
+    # head-dim split of the dK / dV kernel (candidates for D=256, where the unsplit accumulators spill)
+    for dt in args.dtypes:
+        for cfg in configs.CANDIDATES[256]["bwd_dkdv"]:
+            if cfg.d_split > 1:
+                name = "-".join(map(str, cfg))
+                plans.append((f"dkdv-{name}-D256-{dt}", 256, dtypes[dt], dict(win_right=0), dict(dkdv=cfg)))
     plans = [p for p in plans if not args.only or args.only in p[0]]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
     for label, D, dtype, var_kw, run_kw in plans:

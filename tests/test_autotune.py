@@ -50,13 +50,17 @@ def test_pick_times_every_candidate_skips_failures_and_caches_on_disk(cache_dir)
     best = autotune.pick("key-a", cands, run, timer)
     assert best == C(64, 64, 4, 3) and ran == cands
     data = json.loads((cache_dir / "autotune.json").read_text())
-    assert data == {"key-a": [64, 64, 4, 3]}
+    assert data == {"key-a": [64, 64, 4, 3, 1]}  # (block_m, block_n, warps, stages, d_split)
     # a new process (empty memory) reads the disk cache and runs nothing
     autotune._memory.clear()
     assert autotune.pick("key-a", cands, lambda cfg: 1 / 0, lambda fn: 1 / 0) == best
     # another key is tuned separately and added to the same file
     assert autotune.pick("key-b", cands[2:], lambda cfg: None, lambda fn: 1.0) == cands[2]
     assert set(json.loads((cache_dir / "autotune.json").read_text())) == {"key-a", "key-b"}
+    # a file written before TileConfig had d_split (4 numbers) still loads, with d_split = 1
+    (cache_dir / "autotune.json").write_text(json.dumps({"key-c": [128, 32, 8, 3]}))
+    autotune._memory.clear()
+    assert autotune.pick("key-c", cands, lambda cfg: 1 / 0, lambda fn: 1 / 0) == C(128, 32, 8, 3, 1)
 
 
 def test_key_names_what_changes_the_best_config():

@@ -224,6 +224,21 @@ def test_atomic_dq_on_gpu(D, causal, monkeypatch, poison):
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
 
 
+@pytest.mark.parametrize("cfg", [c for c in configs.CANDIDATES[256]["bwd_dkdv"] if c.d_split > 1],
+                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dkdv_head_dim_split_on_gpu(cfg, causal, poison):
+    """Every head-dim-split dK / dV candidate at D=256 (and 192, padded), bf16, GQA."""
+    for D in (256, 192):
+        torch.manual_seed(D)
+        q, k, v = random_qkv(2, 1100, 1300, 8, 2, D, BF16, DEVICE)
+        with configs.override(bwd_dkdv=cfg):
+            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_against_reference(q, k, v, out, lse, grads, dout, causal)
+
+
 def test_autotune_end_to_end(tmp_path, monkeypatch, poison):
     """TRITONATTN_AUTOTUNE=1 on the GPU: every kernel family tuned on the call, results still right,
     the choice written to the disk cache and reused."""

@@ -20,6 +20,8 @@ class TileConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    # dK / dV kernel only: programs per key block, each accumulating head_dim / d_split columns
+    d_split: int = 1
 
 
 def env_flag(name: str) -> bool:
@@ -113,7 +115,10 @@ CANDIDATES = {
         "fwd": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 2), C(64, 64, 4, 3),
                 C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 3)],
         "bwd_dkdv": [C(32, 64, 8, 1), C(16, 64, 4, 2), C(16, 128, 8, 2), C(32, 64, 8, 2), C(32, 32, 4, 2),
-                     C(16, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 8, 1), C(16, 32, 4, 3)],
+                     C(16, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 8, 1), C(16, 32, 4, 3),
+                     # head dim split in two: half the accumulators (unmeasured; 64 x 64 and 64 x 128
+                     # need more than 227 KB of shared memory, scripts/compile_check.py)
+                     C(32, 64, 4, 2, 2), C(32, 64, 8, 2, 2), C(32, 128, 8, 2, 2)],
         "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2),
                    C(64, 32, 8, 2), C(128, 32, 8, 2), C(64, 16, 4, 3)],
     },

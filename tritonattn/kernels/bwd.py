@@ -87,6 +87,7 @@ def _bwd_dkdv_inner(
     dk, dv, k, v,
     p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam,
     start_n, offs_n, offs_mb, offs_d, lo, hi, Sq, Sk,
+    p_qa, p_doa, offs_da,
     qk_scale, softcap_scale, softcap_log2, slope2,
     p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
     win_left, win_right, seed, dropout_p,
@@ -94,16 +95,18 @@ def _bwd_dkdv_inner(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
     Works on transposed scores (keys x queries) so that dV = P^T dO and dK = dS^T Q need no
     transpose of P. ATOMIC_DQ (opt-in, not deterministic): also add this key block's share of dQ,
     dS K, into the fp32 buffer at ``p_dqa`` with atomics, so the backward needs no dQ kernel (5
-    matrix products per tile instead of 7).
+    matrix products per tile instead of 7). D_SPLIT > 1: dK / dV hold only the head-dim columns
+    ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``); the scores still use all of D.
     """
     d_ok = offs_d < HEAD_DIM
+    da_ok = offs_da < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb
         m_ok = offs_m < Sq
@@ -123,9 +126,15 @@ def _bwd_dkdv_inner(
         if HAS_DROPOUT:
             keep_t = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, True)
         _, ds_t, p_t = _grad_scores(p_t, dp_t, delta[None, :], t_t, keep_t, dropout_p, SOFTCAP, HAS_DROPOUT)
-        dv = mma(p_t.to(do.dtype), do, dv, DOT_FP32, PRECISION)
+        if D_SPLIT == 1:
+            q_acc, do_acc = q, do
+        else:  # this program's columns of Q and dO (the rows were just read: cache hits)
+            qa_ok = m_ok[:, None] & da_ok[None, :]
+            q_acc = tl.load(p_qa + offs_m[:, None].to(tl.int64) * stride_qm, mask=qa_ok, other=0.0)
+            do_acc = tl.load(p_doa + offs_m[:, None].to(tl.int64) * stride_dom, mask=qa_ok, other=0.0)
+        dv = mma(p_t.to(do.dtype), do_acc, dv, DOT_FP32, PRECISION)
         ds_lo = ds_t.to(q.dtype)
-        dk = mma(ds_lo, q, dk, DOT_FP32, PRECISION)
+        dk = mma(ds_lo, q_acc, dk, DOT_FP32, PRECISION)
         if ATOMIC_DQ:
             dq_part = mma(tl.trans(ds_lo), k, None, DOT_FP32, PRECISION)
             tl.atomic_add(p_dqa + offs_m[:, None].to(tl.int64) * stride_dqam, dq_part, mask=qd_ok, sem="relaxed")
@@ -150,9 +159,13 @@ def _bwd_dkdv_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
+    BLOCK_DA: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
+    # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
+    pid_n = tl.program_id(0) // D_SPLIT
+    d_part = tl.program_id(0) % D_SPLIT
     off_bhk = tl.program_id(1).to(tl.int64)
     off_b = off_bhk // Hkv
     off_hk = off_bhk % Hkv
@@ -178,8 +191,9 @@ def _bwd_dkdv_kernel(
                 mask=kv_mask, other=0.0)
     v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + rows_n * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    offs_da = d_part * BLOCK_DA + tl.arange(0, BLOCK_DA)
+    dk = tl.zeros([BLOCK_N, BLOCK_DA], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DA], tl.float32)
 
     lo, full_lo, full_hi, hi = query_range(start_n, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N,
                                            WIN_LEFT, WIN_RIGHT)
@@ -191,6 +205,8 @@ def _bwd_dkdv_kernel(
         p_lse = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_delta = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_dqa = DQA + off_b * stride_dqab + off_h * stride_dqah + offs_d[None, :] * stride_dqad
+        p_qa = Q + off_b * stride_qb + off_h * stride_qh + offs_da[None, :] * stride_qd
+        p_doa = DO + off_b * stride_dob + off_h * stride_doh + offs_da[None, :] * stride_dod
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                                   MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                                   HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
@@ -198,35 +214,38 @@ def _bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
                 offs_mb, offs_d,
-                lo, tl.minimum(full_lo, hi), Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                lo, tl.minimum(full_lo, hi), Sq, Sk, p_qa, p_doa, offs_da,
+                qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
                 offs_mb, offs_d,
-            full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+            full_lo, full_hi, Sq, Sk, p_qa, p_doa, offs_da, qk_scale, softcap_scale, softcap_log2, slope2,
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
                 offs_mb, offs_d,
-                tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                tl.maximum(full_hi, full_lo), hi, Sq, Sk, p_qa, p_doa, offs_da,
+                qk_scale, softcap_scale, softcap_log2, slope2,
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
 
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + rows_n * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    out_mask = (offs_n[:, None] < Sk) & (offs_da[None, :] < HEAD_DIM)
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_da[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + rows_n * stride_dvn + offs_da[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -557,13 +576,15 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def run_dkdv(cfg):
         if atomic_dq:
             dqa.zero_()  # a rerun (autotuning) must not add dQ twice
-        launch(_bwd_dkdv_kernel, (cdiv(Sk, cfg.block_n), B * Hkv), (
+        # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
+        d_split = 1 if atomic_dq else max(1, min(cfg.d_split, block_d // 16))
+        launch(_bwd_dkdv_kernel, (cdiv(Sk, cfg.block_n) * d_split, B * Hkv), (
             q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
             *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
             Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
         ), dict(
             **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split,
         ))
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem)
