@@ -119,7 +119,14 @@ def pick(key: str, cands: list[TileConfig], run: Callable[[TileConfig], None],
 
 def tuned(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: dict, default: TileConfig,
           run: Callable[[TileConfig], None]) -> TileConfig:
-    """The launchers' entry: ``default`` unless autotuning is on (and no config is forced)."""
+    """``default`` unless autotuning is on (and no config is forced)."""
     if mode in configs._override or not enabled(q):
         return default
     return pick(make_key(mode, q, causal, Sq, Sk, flags), candidates(mode, q.shape[-1], Sq, Sk, default), run)
+
+
+def launch_tuned(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: dict, default: TileConfig,
+                 run: Callable[[TileConfig], None]) -> TileConfig:
+    """The launchers' entry: ``run`` with the table's config (or the autotuned one), shrunk by
+    :func:`configs.fit` if it does not fit the device. Returns the config that ran."""
+    return configs.fit(mode, tuned(mode, q, causal, Sq, Sk, flags, default, run), flags, q.dtype, run)

@@ -7,12 +7,15 @@ only compilation.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from triton.runtime.errors import OutOfResources
+
+_log = logging.getLogger("tritonattn")
 
 
 class TileConfig(NamedTuple):
@@ -250,9 +253,7 @@ def fit(mode: str, cfg: TileConfig, flags: dict, dtype: torch.dtype, run) -> Til
             smaller = _smaller(cfg)
             if smaller is None:
                 raise
-            import logging
-
-            logging.getLogger("tritonattn").warning(
+            _log.warning(
                 "%s tile config %s does not fit (%s); using %s", mode, tuple(cfg), e, tuple(smaller))
             key = key or (mode, first, dtype, tuple(sorted(flags.items())))
             _FITTED[key] = cfg = smaller

@@ -199,8 +199,7 @@ def flash_attn_with_kvcache(
     var.kv_lens = seqlens + n_new if n_new else seqlens
     var.kv_leftpad, var.kv_batch_idx = leftpad, batch_idx
     if paged:
-        var.block_table, var.page_size = block_table, page_size
-        var.kv_page_strides = (k_cache.stride(0), v_cache.stride(0))
+        var.use_pages(block_table, k_cache, v_cache)
         # the kernel reads pages through the block table: pass one page per row, batch stride 0
         k_arg, v_arg = k_cache[:1].expand(B, *k_cache.shape[1:]), v_cache[:1].expand(B, *v_cache.shape[1:])
     else:

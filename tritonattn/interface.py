@@ -437,11 +437,9 @@ def _paged_varlen_call(var, q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, ma
     if return_attn_probs and var.dropout_p > 0:
         raise NotImplementedError("return_attn_probs with dropout (S_dmask) is not supported with block_table")
     _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    var.block_table, var.page_size = block_table, k.shape[1]
-    if torch.compiler.is_compiling():  # the op sets the page fields from the caches it gets
+    var.use_pages(block_table, k, v)
+    if torch.compiler.is_compiling():  # the op gets the whole caches and sets the page fields again
         return _finish(*apply_compiled(var, q, k, v, None), None, return_attn_probs)
-    var.kv_page_strides = (k.stride(0), v.stride(0))
-    # the kernel addresses pages itself: pass the first page, (page_size, Hkv, D), for the row / head strides
     out, lse = attention_forward(q, k[0], v[0], var)
     return _finish(out, lse, None, return_attn_probs)
 

@@ -110,8 +110,7 @@ def attention_fwd_op(
     var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
     if block_table is not None:  # the kernel addresses pages itself: it gets the first page of each cache
-        var.block_table, var.page_size = block_table, k.shape[1]
-        var.kv_page_strides = (k.stride(0), v.stride(0))
+        var.use_pages(block_table, k, v)
         k, v = k[0], v[0]
     if bias is not None:
         var.bias = bias.expand(var.score_shape(q, k))

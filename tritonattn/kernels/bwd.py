@@ -589,8 +589,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem)
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq)
-    configs.fit("bwd_dkdv", autotune.tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv), dkdv_flags,
-                q.dtype, run_dkdv)
+    autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
@@ -621,7 +620,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, sc
         ))
 
     cfg = configs.backward_dq_config(q, var.causal, var.extra_smem)
-    configs.fit("bwd_dq", autotune.tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run), flags, q.dtype, run)
+    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

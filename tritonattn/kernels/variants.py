@@ -77,6 +77,12 @@ class Variants:
     def causal(self) -> bool:
         return self.win_right == 0
 
+    def use_pages(self, block_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """K / V are paged caches (num_blocks, page_size, Hkv, D) read through ``block_table``: the
+        kernels get one page for the row / head strides and address pages with these fields."""
+        self.block_table, self.page_size = block_table, k_cache.shape[1]
+        self.kv_page_strides = (k_cache.stride(0), v_cache.stride(0))
+
     @property
     def extra_smem(self) -> bool:
         """A bias or mask tile is read next to each score tile, or dropout's random bits are
