@@ -5,8 +5,11 @@
 #   scripts/gpu_check.sh                 tests + main job + benchmark (BENCH_ARGS, default: llama grid)
 #   SKIP_TESTS=1 scripts/gpu_check.sh    benchmark only
 #   SKIP_BENCH=1 scripts/gpu_check.sh    tests only
-#   SKIP_EXTRA=1                         without scripts/overhead.py and scripts/integration_gpu.py
+#   SKIP_EXTRA=1                         without the extras (EXTRAS="overhead integration example")
+#   EXTRAS="overhead example"            only these extras: scripts/overhead.py, scripts/integration_gpu.py,
+#                                        examples/hf_llama.py
 #   TUNE_ARGS="--modes fwd ..."          also run scripts/tune.py with these arguments (after the bench)
+#   TUNE_WALL=200                        stop the tuner after this many seconds
 #   TESTS_WALL=540                       stop the test run after this many seconds (its log stays)
 # With two or more GPUs the tests run on the last one, in the background, while the main job,
 # extras, bench and tune run on GPU 0, so one call does both.
@@ -46,8 +49,10 @@ fi
 
 if [ -z "${SKIP_EXTRA:-}" ]; then
   # host time per call, and torch.compile (inductor) + bf16 convergence against sdpa
-  python3 scripts/overhead.py 2>&1 | tee "$OUT/overhead.md"
-  python3 scripts/integration_gpu.py 2>&1 | tee "$OUT/integration.log" | tail -25
+  extras=" ${EXTRAS:-overhead integration example} "
+  [[ $extras == *" overhead "* ]] && python3 scripts/overhead.py 2>&1 | tee "$OUT/overhead.md"
+  [[ $extras == *" integration "* ]] && python3 scripts/integration_gpu.py 2>&1 | tee "$OUT/integration.log" | tail -25
+  [[ $extras == *" example "* ]] && python3 examples/hf_llama.py 2>&1 | tee "$OUT/hf_llama-example.log" | tail -15
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
@@ -58,7 +63,7 @@ fi
 
 if [ -n "${TUNE_ARGS:-}" ]; then
   # shellcheck disable=SC2086
-  python3 scripts/tune.py $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | tail -40
+  timeout "${TUNE_WALL:-0}" python3 scripts/tune.py $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | tail -40
 fi
 
 if [ -n "$tests_pid" ]; then
