@@ -59,7 +59,7 @@ def main() -> None:
         def generate():
             with torch.no_grad():
                 return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
-                                      do_sample=False, pad_token_id=0)
+                                      do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]  # the new tokens
 
         def train_step():
             loss = model(input_ids=ids, labels=ids).loss
@@ -94,7 +94,12 @@ def main() -> None:
             if first_tokens is None:
                 first_tokens = tokens
             else:
-                print(f"{'':12} greedy tokens equal to {args.backends[0]}'s: {torch.equal(tokens, first_tokens)}")
+                # random weights give near-uniform logits: in bf16 a near tie can flip one argmax,
+                # and greedy decoding diverges from there on
+                same = (tokens == first_tokens).float().mean().item() * 100
+                differ = (tokens != first_tokens).any(0).nonzero()
+                where = f", first difference at new token {differ[0].item()}" if len(differ) else ""
+                print(f"{'':12} greedy tokens equal to {args.backends[0]}'s: {same:.1f}%{where}")
         model = opt = None  # free before the next backend
         if gpu:
             torch.cuda.empty_cache()

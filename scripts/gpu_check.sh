@@ -2,7 +2,8 @@
 # One call on the GPU machine: environment, the whole test suite (GPU tier included), the main
 # job, and the benchmark. Logs and results go to $OUT (the device tool brings them back), also
 # packed as $OUT/all.tar.gz (the device tool brings back at most 8 files).
-#   scripts/gpu_check.sh                 tests + main job + benchmark (BENCH_ARGS, default: llama grid)
+#   scripts/gpu_check.sh                 tests + main job + benchmark (BENCH_ARGS, default: llama grid;
+#                                        several bench runs separated by ';')
 #   SKIP_TESTS=1 scripts/gpu_check.sh    benchmark only
 #   SKIP_BENCH=1 scripts/gpu_check.sh    tests only
 #   SKIP_EXTRA=1                         without the extras (EXTRAS="overhead integration example")
@@ -25,6 +26,7 @@ echo "commit ${TRITONATTN_COMMIT:-unknown}" | tee -a "$OUT/env.txt"
 ngpu=$(nvidia-smi -L | grep -c "^GPU")
 
 run_tests() {
+  export TRITONATTN_FAILURE_LOG="$OUT/test-failures.log"
   # -v: every result line names its test, so a run cut short still says what failed
   timeout "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "${PYTEST_WORKERS:-$(( $(nproc) * 3 / 4 ))}" \
     --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
@@ -56,9 +58,14 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  # shellcheck disable=SC2086
-  python3 -m tritonattn.bench ${BENCH_ARGS:---grid llama} --out "$OUT/bench" 2>"$OUT/bench.err" | tee "$OUT/bench.md"
-  tail -5 "$OUT/bench.err"
+  # several runs separated by ';' go to bench, bench1, ...
+  IFS=';' read -ra bench_runs <<< "${BENCH_ARGS:---grid llama}"
+  for i in "${!bench_runs[@]}"; do
+    dir=bench$( [ "$i" -gt 0 ] && echo "$i" )
+    # shellcheck disable=SC2086
+    python3 -m tritonattn.bench ${bench_runs[$i]} --out "$OUT/$dir" 2>"$OUT/$dir.err" | tee "$OUT/$dir.md"
+    tail -5 "$OUT/$dir.err"
+  done
 fi
 
 if [ -n "${TUNE_ARGS:-}" ]; then

@@ -86,3 +86,13 @@ def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scal
         if name == "dbias":
             assert g.shape == bias.shape and g.dtype == bias.dtype, "dbias must come back in the bias's shape and dtype"
         check_close(name, g, r, p, k=3, magnitude=magnitude)
+
+
+def pytest_runtest_logreport(report):
+    """With TRITONATTN_FAILURE_LOG set (scripts/gpu_check.sh sets it), append each failure's
+    traceback to that file as it happens: a run stopped by a wall-clock limit then still says why
+    its tests failed (pytest prints tracebacks only at the end of a session)."""
+    path = os.environ.get("TRITONATTN_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes once
+        with open(path, "a") as f:
+            f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -59,6 +59,15 @@ def test_variant_backends_report_their_cost(tmp_path, capsys):
         assert f"| {variant} |" in out  # a row of the time-ratio table
 
 
+def test_grid_overrides():
+    """--batches picks the llama / decode grids' batch sizes, --head-dims the fa grid's head dims."""
+    dec = grid_shapes("decode", seqlens=[65536, 131072], batches=[64])
+    assert [(s.batch, s.seqlen_k) for s in dec] == [(64, 65536), (64, 131072)]
+    assert {s.batch for s in grid_shapes("llama", seqlens=[1024], batches=[1, 2])} == {1, 2}
+    fa = grid_shapes("fa", seqlens=[16384], head_dims=[256], causal=True)
+    assert [(s.head_dim, s.heads, s.causal) for s in fa] == [(256, 8, True)]
+
+
 def test_decode_grid(capsys):
     from tritonattn.bench.runner import measure_shape, print_decode_table
 

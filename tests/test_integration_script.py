@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_integration_script_tiny(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path), PYTHONPATH=ROOT)
+    # CPU only, also on a GPU machine (CUDA_VISIBLE_DEVICES=""): the script's GPU mode is a separate,
+    # larger run (scripts/gpu_check.sh), and the interpreter on CUDA tensors would crowd the GPU tier
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path), PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "integration_gpu.py"), "--tiny"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     out = proc.stdout
@@ -39,7 +41,9 @@ def test_hf_llama_example_runs(tmp_path):
         import pytest
 
         pytest.skip("transformers not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    # CPU only (see above): on a GPU the example builds a ~1B model, and eager attention alone peaks at
+    # ~120 GiB, which took the GPU tier's memory from under the other test workers
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_llama.py"), "--backends", "tritonattn",
                            "eager"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,4 +51,4 @@ def test_hf_llama_example_runs(tmp_path):
                                                                                                     ["eager"])}
     assert set(rows) == {"tritonattn", "eager"}, proc.stdout
     assert rows["tritonattn"][4] == rows["eager"][4]  # the same loss after one step, to 4 decimals
-    assert "greedy tokens equal to tritonattn's: True" in proc.stdout
+    assert "greedy tokens equal to tritonattn's: 100.0%" in proc.stdout

@@ -72,7 +72,9 @@ _MEASURED = {
           "bwd_dkdv": (C(64, 128, 8, 3), C(32, 64, 4, 3)),
           "bwd_dq": (C(128, 64, 8, 3), C(128, 64, 8, 3))},
     256: {"fwd": (C(128, 64, 8, 2), C(128, 64, 8, 2)),
-          "bwd_dkdv": (C(32, 32, 4, 2), C(32, 64, 8, 2)),
+          # head dim split in two (d_split=2): 2026-11-30, 246.5 / 242.0 TFLOP/s against 220.0 / 213.5
+          # for the best unsplit tiles (32, 32, 4, 2) / (32, 64, 8, 2) (benchmarks/NOTES.md)
+          "bwd_dkdv": (C(32, 128, 8, 2, 2), C(32, 128, 8, 2, 2)),
           "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
 }
 _FP32 = C(32, 32, 4, 1)
@@ -113,15 +115,20 @@ _DQ = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(128, 32, 4, 3), C
        C(64, 32, 4, 4), C(128, 128, 8, 2), C(64, 128, 8, 2), C(128, 32, 8, 4)]
 CANDIDATES = {
     64: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
-    128: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
+    128: {"fwd": _FWD, "bwd_dq": _DQ,
+          # with the head dim split in two (unmeasured at D=128)
+          "bwd_dkdv": _DKDV + [C(64, 128, 8, 2, 2), C(64, 128, 8, 3, 2), C(128, 128, 8, 2, 2), C(64, 64, 4, 3, 2),
+                               C(32, 128, 4, 3, 2)]},
     256: {
         "fwd": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 2), C(64, 64, 4, 3),
                 C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 3)],
         "bwd_dkdv": [C(32, 64, 8, 1), C(16, 64, 4, 2), C(16, 128, 8, 2), C(32, 64, 8, 2), C(32, 32, 4, 2),
                      C(16, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 8, 1), C(16, 32, 4, 3),
-                     # head dim split in two: half the accumulators (unmeasured; 64 x 64 and 64 x 128
-                     # need more than 227 KB of shared memory, scripts/compile_check.py)
-                     C(32, 64, 4, 2, 2), C(32, 64, 8, 2, 2), C(32, 128, 8, 2, 2)],
+                     # head dim split in two: half the accumulators (64 x 64 and 64 x 128 need more
+                     # than 227 KB of shared memory, scripts/compile_check.py)
+                     C(32, 64, 4, 2, 2), C(32, 64, 8, 2, 2), C(32, 128, 8, 2, 2), C(16, 128, 8, 2, 2),
+                     C(32, 128, 4, 2, 2), C(32, 128, 8, 1, 2), C(32, 128, 8, 3, 2), C(16, 128, 4, 3, 2),
+                     C(32, 256, 8, 1, 2), C(32, 128, 8, 2, 4)],
         "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2),
                    C(64, 32, 8, 2), C(128, 32, 8, 2), C(64, 16, 4, 3)],
     },

@@ -50,17 +50,20 @@ SEED004 = [(B, H, S, D) for (B, H, S) in [(12, 64, 256), (16, 64, 256), (16, 64,
                                           (16, 128, 784)] for D in (64, 128)]
 
 
-def grid_shapes(grid: str, seqlens=None, dtypes=None, causal=None) -> list[Shape]:
+def grid_shapes(grid: str, seqlens=None, dtypes=None, causal=None, batches=None, head_dims=None) -> list[Shape]:
+    """The grid's shapes; ``batches`` overrides the batch sizes of the llama and decode grids, and
+    ``head_dims`` the fa grid's head dims."""
     causals = [False, True] if causal is None else [causal]
     shapes = []
     if grid == "llama":
         for dt in dtypes or ["fp16", "bf16"]:
             for c in causals:
                 for S in seqlens or [2**i for i in range(5, 15)]:
-                    shapes.append(Shape("llama", 4, 32, 8, S, S, 128, c, DTYPES[dt]))
+                    for B in batches or [4]:
+                        shapes.append(Shape("llama", B, 32, 8, S, S, 128, c, DTYPES[dt]))
     elif grid == "fa":
         for dt in dtypes or ["bf16"]:
-            for D in (64, 128, 256):
+            for D in head_dims or (64, 128, 256):
                 for c in causals:
                     for S in seqlens or [512, 1024, 2048, 4096, 8192, 16384]:
                         shapes.append(Shape("fa", max(1, 16384 // S), 2048 // D, 2048 // D, S, S, D, c, DTYPES[dt]))
@@ -70,7 +73,7 @@ def grid_shapes(grid: str, seqlens=None, dtypes=None, causal=None) -> list[Shape
                 shapes.append(Shape("seed004", B, H, H, S, S, D, False, DTYPES[dt]))
     elif grid == "decode":
         for dt in dtypes or ["bf16"]:
-            for B in (1, 8, 64):
+            for B in batches or (1, 8, 64):
                 for L in seqlens or [4096, 16384, 65536, 131072]:
                     shapes.append(Shape("decode", B, 32, 8, 1, L, 128, False, DTYPES[dt]))
     elif grid == "tiny":
@@ -169,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--grid", nargs="+", default=["llama"] if on_gpu else ["tiny"])
     p.add_argument("--seqlens", type=int, nargs="+", help="override the grid's sequence lengths")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="override the grid's dtypes")
+    p.add_argument("--batches", type=int, nargs="+", help="override the llama / decode grids' batch sizes")
+    p.add_argument("--head-dims", type=int, nargs="+", help="override the fa grid's head dims")
     p.add_argument("--causal", choices=["yes", "no"], help="only causal or only non-causal shapes")
     p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     p.add_argument("--backends", nargs="+", choices=ALL_BACKENDS,
@@ -182,7 +187,8 @@ def main(argv=None) -> int:
         print("no GPU: only tritonattn and its variants run (under the Triton interpreter)", file=sys.stderr)
         args.backends = [b for b in args.backends if b.startswith("tritonattn")] or ["tritonattn"]
     causal = None if args.causal is None else args.causal == "yes"
-    shapes = [s for g in args.grid for s in grid_shapes(g, args.seqlens, args.dtypes, causal)]
+    shapes = [s for g in args.grid for s in grid_shapes(g, args.seqlens, args.dtypes, causal, args.batches,
+                                                                    args.head_dims)]
     env = environment()
     print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | cuDNN {env['cudnn']} | "
           f"commit {env['commit']} | {datetime.date.today()}", flush=True)
