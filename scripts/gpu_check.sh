@@ -11,7 +11,10 @@
 #                                        examples/hf_llama.py
 #   TUNE_ARGS="--modes fwd ..."          also run scripts/tune.py with these arguments (after the bench)
 #   TUNE_WALL=200                        stop the tuner after this many seconds
-#   TESTS_WALL=540                       stop the test run after this many seconds (its log stays)
+#   TESTS_WALL=540                       stop the test run after this many seconds (SIGINT: pytest still
+#                                        prints its summary; tracebacks also in test-failures.log)
+#   PYTEST_ARGS="tests/a.py;tests/b.py"  two test groups: one per GPU on a two-GPU machine
+#   PYTEST_WORKERS=12                    xdist workers per group (default 3/4 of the cores / groups)
 # With two or more GPUs the tests run on the last one, in the background, while the main job,
 # extras, bench and tune run on GPU 0, so one call does both.
 set -uo pipefail
@@ -25,26 +28,36 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "commit ${TRITONATTN_COMMIT:-unknown}" | tee -a "$OUT/env.txt"
 ngpu=$(nvidia-smi -L | grep -c "^GPU")
 
-run_tests() {
+run_tests() {  # run_tests LOG PYTEST_ARGS WORKERS
   export TRITONATTN_FAILURE_LOG="$OUT/test-failures.log"
   # -v: every result line names its test, so a run cut short still says what failed
-  timeout "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "${PYTEST_WORKERS:-$(( $(nproc) * 3 / 4 ))}" \
-    --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout -s INT -k 30 "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "$3" \
+    --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 $2 >"$OUT/$1" 2>&1
   local rc=$?
-  grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -40
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/$1" | tail -40
   return $rc
 }
 
-tests_pid=""
+tests_pids=()
 if [ -z "${SKIP_TESTS:-}" ]; then
+  # PYTEST_ARGS may hold two groups separated by ';': with two GPUs each gets one (logs tests.log,
+  # tests1.log), and the main job / bench / tune share GPU 0 with the second group
+  IFS=';' read -ra groups <<< "${PYTEST_ARGS:-tests}"
+  workers=${PYTEST_WORKERS:-$(( $(nproc) * 3 / 4 / ${#groups[@]} ))}
   if [ "$ngpu" -ge 2 ]; then
-    echo "tests on GPU $((ngpu - 1)) in the background; everything else on GPU 0"
-    (export CUDA_VISIBLE_DEVICES=$((ngpu - 1)); run_tests) &
-    tests_pid=$!
+    for i in "${!groups[@]}"; do
+      gpu=$(( (ngpu - 1 - i) % ngpu ))
+      log=tests$( [ "$i" -gt 0 ] && echo "$i" ).log
+      echo "tests group $i (${groups[$i]}) on GPU $gpu in the background"
+      (export CUDA_VISIBLE_DEVICES=$gpu; run_tests "$log" "${groups[$i]}" "$workers") &
+      tests_pids+=($!)
+    done
     export CUDA_VISIBLE_DEVICES=0
   else
-    run_tests
-    status=$?
+    for i in "${!groups[@]}"; do
+      run_tests "tests$( [ "$i" -gt 0 ] && echo "$i" ).log" "${groups[$i]}" "$workers" || status=1
+    done
   fi
   python3 -m tritonattn 2>&1 | tee "$OUT/main.log"
 fi
@@ -73,10 +86,9 @@ if [ -n "${TUNE_ARGS:-}" ]; then
   timeout "${TUNE_WALL:-0}" python3 scripts/tune.py $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | tail -40
 fi
 
-if [ -n "$tests_pid" ]; then
-  wait "$tests_pid"
-  status=$?
-  echo "tests exit status $status"
-fi
+for pid in "${tests_pids[@]}"; do
+  wait "$pid" || status=1
+done
+echo "tests exit status $status"
 (cd "$OUT" && tar czf all.tar.gz --exclude=all.tar.gz .)
 exit $status

@@ -30,6 +30,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Give cached GPU memory back after a test that left much of it reserved: a dozen pytest
+    workers share one GPU, and each one's caching allocator would otherwise keep its peak."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.memory_reserved() > 2 * 2**30:
+        torch.cuda.empty_cache()
+
+
 def case_id(B, Sq, Sk, Hq, Hkv, D, causal, dtype, extra=""):
     """Readable test id, e.g. ``B2-Sq17-Sk65-H4/2-D40-causal-fp16``."""
     parts = [f"B{B}", f"Sq{Sq}", f"Sk{Sk}", f"H{Hq}/{Hkv}", f"D{D}", "causal" if causal else "full",

@@ -114,10 +114,11 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
     from tritonattn import flash_attn_func
 
     B, Hq, Hkv, Sq, Sk, D = shape.batch, shape.heads, shape.kv_heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    # drawn on the device: the decode grid's largest caches hold 4G elements, minutes of CPU randn
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*s):
-        return torch.randn(*s, generator=gen, dtype=torch.float32).to(device=device, dtype=shape.dtype)
+        return torch.randn(*s, generator=gen, device=device, dtype=shape.dtype)
 
     if backend == "tritonattn" and shape.grid == "decode":
         from tritonattn import flash_attn_with_kvcache
