@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is imported, so it is set here, first
 """
 
 import os
+import re
 
 import torch
 
@@ -21,8 +22,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
+def _compile_cost(item) -> int:
+    """Rough rank of a test's compile time on the GPU: fp32 kernels at large head dims take
+    200-265 s each on the H200 (ieee products unroll to FMA code), everything else seconds."""
+    name = item.nodeid
+    if "fp32" not in name:
+        return 0
+    dims = [int(m) for m in re.findall(r"-D(\d+)-", name)]
+    return 2 if dims and max(dims) >= 160 else 1
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # longest first: a dozen workers finish together instead of waiting on a late fp32 compile
+        items.sort(key=lambda item: -_compile_cost(item))
         return
     skip = pytest.mark.skip(reason="GPU tier: needs a CUDA device (run scripts/gpu_check.sh on the H200)")
     for item in items:
