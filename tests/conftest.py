@@ -45,8 +45,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _release_gpu_memory():
-    """Give cached GPU memory back after a test that left much of it reserved: a dozen pytest
-    workers share one GPU, and each one's caching allocator would otherwise keep its peak."""
+    """Each test starts without launch plans (kernels/plan.py: a test that patches the config tables
+    must not replay another test's launches). After it, cached GPU memory is given back if much is
+    reserved: a dozen pytest workers share one GPU, and each one's caching allocator would
+    otherwise keep its peak."""
+    from tritonattn.kernels import plan
+
+    plan.clear()
     yield
     if torch.cuda.is_available() and torch.cuda.memory_reserved() > 2 * 2**30:
         torch.cuda.empty_cache()

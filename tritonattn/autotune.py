@@ -34,8 +34,12 @@ _memory: dict[str, TileConfig] = {}
 _lock = threading.Lock()
 
 
+def env_enabled() -> bool:
+    return configs.env_flag(ENV)
+
+
 def enabled(q: torch.Tensor) -> bool:
-    return q.is_cuda and configs.env_flag(ENV)
+    return q.is_cuda and env_enabled()
 
 
 def cache_path() -> str:

@@ -124,11 +124,10 @@ CANDIDATES = {
                 C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 3)],
         "bwd_dkdv": [C(32, 64, 8, 1), C(16, 64, 4, 2), C(16, 128, 8, 2), C(32, 64, 8, 2), C(32, 32, 4, 2),
                      C(16, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 8, 1), C(16, 32, 4, 3),
-                     # head dim split in two: half the accumulators (64 x 64 and 64 x 128 need more
-                     # than 227 KB of shared memory, scripts/compile_check.py)
+                     # head dim split in two: half the accumulators (64 x 64, 64 x 128, 32 x 256 and
+                     # 3 stages of 32 x 128 need more than 227 KB of shared memory, compile_check.py)
                      C(32, 64, 4, 2, 2), C(32, 64, 8, 2, 2), C(32, 128, 8, 2, 2), C(16, 128, 8, 2, 2),
-                     C(32, 128, 4, 2, 2), C(32, 128, 8, 1, 2), C(32, 128, 8, 3, 2), C(16, 128, 4, 3, 2),
-                     C(32, 256, 8, 1, 2), C(32, 128, 8, 2, 4)],
+                     C(32, 128, 4, 2, 2), C(32, 128, 8, 1, 2), C(16, 128, 4, 3, 2), C(32, 128, 8, 2, 4)],
         "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2),
                    C(64, 32, 8, 2), C(128, 32, 8, 2), C(64, 16, 4, 3)],
     },
@@ -189,8 +188,12 @@ def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool)
     (dQ with a bias and dropout at D=128: 237568 bytes of 232448, found on the H200 and by
     scripts/compile_check.py's combined cases), so those run two stages."""
     cfg = _lookup(mode, q, causal)
-    if extra_smem and mode not in _override and cfg.num_stages > 2:
-        cfg = cfg._replace(num_stages=2)
+    if extra_smem and mode not in _override:
+        if cfg.num_stages > 2:
+            cfg = cfg._replace(num_stages=2)
+        if padded_head_dim(q.shape[-1]) >= 256 and cfg.block_n > 64:
+            # D=256 dK/dV's 128-key split tile with a bias tile and dropout: 250112 bytes (compile_check)
+            cfg = cfg._replace(block_n=64)
     return cfg
 
 

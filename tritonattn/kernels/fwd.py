@@ -5,7 +5,8 @@ import triton.language as tl
 
 from tritonattn import autotune, configs
 from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
-from tritonattn.kernels.launch import cdiv, launch
+from tritonattn.kernels import plan
+from tritonattn.kernels.launch import cdiv
 from tritonattn.kernels.variants import Variants
 
 
@@ -197,20 +198,28 @@ def attention_forward(q, k, v, var: Variants):
     """
     import torch
 
+    inputs = (q, k, v, *var.tensors())
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature())
+    p = plan.get(key)
+    if p is not None:  # the same signature as an earlier call: replay its launch
+        res = p.run(inputs, q.device)
+        if res is not None:
+            return res
+    b = plan.Builder(key, inputs)
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     # variable length: token rows outside every sequence get no program, so start from zeros
     alloc = torch.zeros if var.varlen else torch.empty
-    out = alloc(q.shape, dtype=q.dtype, device=q.device)
-    lse = alloc(var.lse_shape(q), dtype=torch.float32, device=q.device)
+    out = b.alloc(alloc, q.shape, q.dtype, q.device)
+    lse = b.alloc(alloc, var.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0 or Sq == 0:
-        return out, lse
+        return b.finish((out, lse))
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
                  PRECISION=configs.dot_precision(q.dtype))
 
     def run(cfg):
-        launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
+        b.launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
             q, k, v, out, lse,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
             *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
@@ -219,4 +228,4 @@ def attention_forward(q, k, v, var: Variants):
                 num_stages=cfg.num_stages))
 
     autotune.launch_tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run)
-    return out, lse
+    return b.finish((out, lse))

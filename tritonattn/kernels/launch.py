@@ -57,13 +57,17 @@ def _args_key(args: tuple) -> tuple:
                   for a in args])
 
 
+def _key(fn, grid, args: tuple, kwargs: dict) -> tuple:
+    return fn, grid.__len__(), _args_key(args), tuple(kwargs.items()), args[0].device.index
+
+
 def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``: args are the runtime arguments in order, kwargs every
     constexpr plus num_warps / num_stages."""
     if not ENABLED or not args[0].is_cuda:  # CPU tensors: the interpreter
         fn[grid](*args, **kwargs)
         return
-    key = (fn, grid.__len__(), _args_key(args), tuple(kwargs.items()), args[0].device.index)
+    key = _key(fn, grid, args, kwargs)
     kernel = _cache.get(key)
     if kernel is None:
         kernel = fn[grid](*args, **kwargs)
@@ -76,7 +80,20 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> None:
             _cache.clear()
         _cache[key] = (kernel, tuple(kwargs[n] for n in names))
         return
-    kernel, tail = kernel
+    run_cached(kernel, grid, args)
+
+
+def cached(fn, grid, args: tuple, kwargs: dict):
+    """The compiled entry :func:`launch` keeps for these arguments (None if it has none, or under
+    the interpreter): launch plans (kernels/plan.py) keep it and call :func:`run_cached`."""
+    if not ENABLED or not args[0].is_cuda:
+        return None
+    return _cache.get(_key(fn, grid, args, kwargs))
+
+
+def run_cached(entry, grid, args: tuple) -> None:
+    """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured)."""
+    kernel, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)

@@ -43,6 +43,18 @@ class Variants:
     page_size: int = 0
     kv_page_strides: tuple = (0, 0)
 
+    def tensors(self) -> tuple:
+        """The tensor fields, in a fixed order (None where unset): the slots of a launch plan."""
+        return (self.alibi_slopes, self.bias, self.mask, self.seed, self.cu_seqlens_q, self.cu_seqlens_k,
+                self.kv_lens, self.kv_leftpad, self.kv_batch_idx, self.block_table)
+
+    def signature(self) -> tuple:
+        """Everything a launcher's work depends on besides the tensors' contents: the scalar fields,
+        and shape, strides and dtype of each tensor field (a launch plan's key, kernels/plan.py)."""
+        return (self.softmax_scale, self.win_left, self.win_right, self.softcap, self.mask_kind, self.dropout_p,
+                self.deterministic, self.max_seqlen_q, self.max_seqlen_k, self.page_size, self.kv_page_strides,
+                *(None if t is None else (t.shape, t.stride(), t.dtype) for t in self.tensors()))
+
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None

@@ -1,0 +1,179 @@
+"""Launch plans (kernels/plan.py): a call whose signature was seen before replays the recorded
+launches. Each case records a plan with one set of inputs, replays it with another, and compares
+the replay bitwise with a fresh (unplanned) call on the same inputs; the plan counter proves that
+the later calls replayed."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import tritonattn
+from tritonattn import configs, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from tritonattn.kernels import plan
+from tritonattn.kernels.variants import Variants
+
+F16 = torch.float16
+
+
+def _randn(gen, *shape, dtype=F16):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _dense(extra):
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = _randn(gen, 2, 37, 4, 40), _randn(gen, 2, 53, 2, 40), _randn(gen, 2, 53, 2, 40)
+        kw = dict(extra)
+        if kw.pop("alibi", False):
+            kw["alibi_slopes"] = torch.rand(2, 4, generator=gen).to(DEVICE)
+        if kw.pop("kpm", False):
+            kw["key_padding_mask"] = torch.rand(2, 53, generator=gen).to(DEVICE) > 0.3
+        if kw.pop("bias", False):
+            kw["bias"] = _randn(gen, 2, 1, 37, 53)
+        return (q, k, v), kw
+
+    def call(ins, kw):
+        torch.manual_seed(0)  # dropout draws its seed from the default generator
+        if {"key_padding_mask", "bias"} & set(kw):
+            return tritonattn.attention(*ins, **kw)
+        return flash_attn_func(*ins, return_attn_probs=True, **kw)[:2]
+
+    return make, call
+
+
+def _varlen(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens_q, lens_k = [5, 0, 17], [9, 3, 20]
+    cu_q = torch.tensor([0, 5, 5, 22], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 9, 12, 32], dtype=torch.int32, device=DEVICE)
+    q, k, v = _randn(gen, sum(lens_q), 4, 32), _randn(gen, sum(lens_k), 2, 32), _randn(gen, sum(lens_k), 2, 32)
+    return (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)), dict(causal=True)
+
+
+def _varlen_call(ins, kw):
+    return flash_attn_varlen_func(*ins, return_attn_probs=True, **kw)[:2]
+
+
+def _kvcache(extra):
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        B, Hq, Hkv, D, S = 3, 8, 2, 32, 96
+        q = _randn(gen, B, 1, Hq, D)
+        kc, vc = _randn(gen, B, S, Hkv, D), _randn(gen, B, S, Hkv, D)
+        kw = dict(extra)
+        seqlens = kw.pop("seqlens")
+        kw["cache_seqlens"] = seqlens + seed if isinstance(seqlens, int) else \
+            torch.tensor(seqlens, dtype=torch.int32, device=DEVICE) + seed
+        if kw.pop("new", False):
+            kw["k"], kw["v"] = _randn(gen, B, 1, Hkv, D), _randn(gen, B, 1, Hkv, D)
+            kw["rotary_cos"] = torch.rand(S, 8, generator=gen).to(DEVICE, F16)
+            kw["rotary_sin"] = torch.rand(S, 8, generator=gen).to(DEVICE, F16)
+        if kw.pop("paged", False):
+            perm = torch.randperm(B * S // 16, generator=gen).to(DEVICE)
+            kw["block_table"] = perm.view(B, S // 16).to(torch.int32)
+            kc, vc = kc.reshape(-1, 16, Hkv, D)[perm.argsort()].contiguous(), vc.reshape(-1, 16, Hkv, D)[
+                perm.argsort()].contiguous()
+        return (q, kc, vc), kw
+
+    def call(ins, kw):
+        q, kc, vc = ins
+        kw = {key: (val.clone() if key in ("k", "v") else val) for key, val in kw.items()}
+        return flash_attn_with_kvcache(q, kc.clone(), vc.clone(), return_softmax_lse=True, **kw)
+
+    return make, call
+
+
+def _train(make, api):
+    """Forward and backward (the backward's launches are planned too); returns out and the grads."""
+    def call(ins, kw):
+        torch.manual_seed(0)
+        leaves = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                  else t for t in ins]
+        out = api(*leaves, **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        dout = torch.ones_like(out).mul_(0.1).add_(out.detach())  # depends on the inputs
+        grads = torch.autograd.grad(out, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad], dout)
+        return (out, *grads)
+
+    return make, call
+
+
+def _qkv_varlen(seed):
+    (_, k, v, _, cu_k, _, mk), kw = _varlen(seed)
+    qkv = torch.stack([v.flip(0), k, v], dim=1)  # (total, 3, H, D): self-attention, k's lengths
+    return (qkv, cu_k, mk), kw
+
+
+CASES = {
+    "dense-causal-gqa": _dense(dict(causal=True)),
+    "window-softcap-alibi": _dense(dict(window_size=(9, 3), softcap=20.0, alibi=True)),
+    "dropout": _dense(dict(dropout_p=0.2, causal=True)),
+    "key-padding-mask": _dense(dict(kpm=True)),
+    "bias": _dense(dict(bias=True, causal=True)),
+    "varlen": (_varlen, _varlen_call),
+    "decode-split-int-seqlens": _kvcache(dict(seqlens=40, causal=True)),
+    "decode-forward-kernel": _kvcache(dict(seqlens=[3, 50, 70], num_splits=1)),
+    "decode-paged-append-rotary": _kvcache(dict(seqlens=[0, 33, 80], paged=True, new=True, causal=True)),
+    "train-dense-causal-gqa": _train(_dense(dict(causal=True))[0], flash_attn_func),
+    "train-dropout-window-softcap-alibi": _train(
+        _dense(dict(dropout_p=0.1, window_size=(9, 3), softcap=20.0, alibi=True))[0], flash_attn_func),
+    "train-varlen": _train(_varlen, flash_attn_varlen_func),
+    "train-varlen-qkvpacked": _train(_qkv_varlen, tritonattn.flash_attn_varlen_qkvpacked_func),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_equals_a_fresh_call(case):
+    make, call = CASES[case]
+    call(*make(1))  # records the plan(s)
+    ins, kw = make(2)  # new tensors (and cache lengths), same signature
+    hits = plan.hits
+    replayed = call(ins, kw)
+    again = call(ins, kw)  # on a GPU the second replay goes straight to the compiled kernels
+    assert plan.hits >= hits + 2, "the calls with the same signature did not replay"
+    plan.clear()
+    fresh = call(ins, kw)
+    for result in (replayed, again):
+        for a, b in zip(result, fresh):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+
+
+def test_one_tensor_in_several_roles_is_not_replayed_for_distinct_ones():
+    """A plan recorded for f(x, x, x) must not bind q, k and v to one slot for a later f(q, k, v)."""
+    gen = torch.Generator().manual_seed(0)
+    x = _randn(gen, 1, 24, 2, 32)
+    flash_attn_func(x, x, x, causal=True)
+    hits = plan.hits
+    flash_attn_func(x, x, x, causal=True)
+    assert plan.hits == hits + 1  # the same roles shared: replayed
+    q, k, v = _randn(gen, 1, 24, 2, 32), _randn(gen, 1, 24, 2, 32), _randn(gen, 1, 24, 2, 32)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert plan.hits == hits + 1  # not replayed
+    plan.clear()
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+
+
+def test_forced_config_is_not_replayed_over():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _randn(gen, 1, 40, 2, 32), _randn(gen, 1, 40, 2, 32), _randn(gen, 1, 40, 2, 32)
+    flash_attn_func(q, k, v)
+    hits = plan.hits
+    with configs.override(fwd=configs.TileConfig(16, 16, 4, 1)):
+        flash_attn_func(q, k, v)
+    assert plan.hits == hits
+
+
+def test_signature_covers_every_field():
+    """Changing any field of Variants changes its signature or its tensors (a plan key that missed a
+    field would replay one variant's launches for another)."""
+    base = Variants(softmax_scale=0.5)
+    t = torch.zeros(3, dtype=torch.int32)
+    other = {"softmax_scale": 0.25, "win_left": 4, "win_right": 0, "softcap": 3.0, "mask_kind": 1,
+             "dropout_p": 0.1, "deterministic": True, "max_seqlen_q": 7, "max_seqlen_k": 9, "page_size": 16,
+             "kv_page_strides": (1, 2)}
+    for f in dataclasses.fields(Variants):
+        changed = dataclasses.replace(base, **{f.name: other.get(f.name, t)})
+        assert (changed.signature() != base.signature()
+                or any(a is not b for a, b in zip(changed.tensors(), base.tensors()))), f.name

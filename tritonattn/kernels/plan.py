@@ -1,0 +1,167 @@
+"""Launch plans: what a launcher did for one call signature, replayed for the next call with it.
+
+A launcher (``attention_forward``, ``decode_forward``) spends most of a small call's host time in
+Python that depends only on the call's signature: shapes, strides, dtype and device of its tensors
+and the variant options. Picking the tile config, building the constexpr flags and the 40-60
+kernel arguments give the same result every time for the same signature. So the first call of a
+signature records, through a :class:`Builder`, the buffers it allocates and the kernels it launches,
+with every tensor argument replaced by a slot (an input of the call or one of its buffers); the
+plan is kept under the signature, and a later call with the same signature only allocates the
+buffers and replays the launches with its own tensors: on a GPU straight to the compiled kernels
+(kept per plan by the tensors' 16-byte alignment, the one property of theirs that the key leaves
+out and Triton specializes on), under the interpreter through :func:`launch.launch`.
+
+Replaying is exact: the same kernels with the same scalar arguments. A plan is kept only when it is
+safe to replay:
+- every tensor argument of every launch is an input slot or a recorded buffer (else not kept);
+- a tensor in two input roles (``f(x, x, x)``, or varlen's one ``cu_seqlens`` for q and k) is bound
+  to its first slot, so the plan replays only calls with the same roles shared (:meth:`Plan.run`
+  returns None for the others, which take the launcher's full path);
+- no tile config is forced (``configs.override``), autotuning is off, and launches are real
+  (``launch.ENABLED``): those change what a launch does without changing the signature.
+
+``clear()`` drops every plan (the tests do between tests that patch the config tables).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonattn.kernels import launch as _launch
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+hits = 0  # replayed calls (the tests read it)
+
+
+def clear() -> None:
+    _plans.clear()
+
+
+def get(key):
+    """The plan kept for ``key``, or None (always None while a config is forced or autotuning is on)."""
+    p = _plans.get(key)
+    if p is not None and not _replayable():
+        return None
+    return p
+
+
+def _replayable() -> bool:
+    from tritonattn import autotune, configs
+
+    return _launch.ENABLED and not configs._override and not autotune.env_enabled()
+
+
+class Plan:
+    __slots__ = ("aliases", "allocs", "zeros", "launches", "outputs", "compiled")
+
+    def __init__(self, aliases, allocs, zeros, launches, outputs):
+        self.aliases, self.allocs, self.zeros, self.launches, self.outputs = aliases, allocs, zeros, launches, outputs
+        # on a GPU: the compiled kernel of each launch, by the 16-byte alignment of the tensors (the
+        # one thing about them that can change the kernel and is not in the plan's key)
+        self.compiled: dict = {}
+
+    def run(self, inputs: tuple, device) -> tuple | None:
+        """The outputs of the replayed call, or None (nothing done) when ``inputs`` do not share
+        the tensors the recorded call shared."""
+        for i, j in self.aliases:
+            if inputs[i] is not inputs[j]:
+                return None
+        bufs = list(inputs)
+        for factory, shape, dtype in self.allocs:
+            bufs.append(factory(shape, dtype=dtype, device=device))
+        for s in self.zeros:
+            bufs[s].zero_()
+        launches = []
+        for fn, grid, consts, slots, kwargs in self.launches:
+            args = list(consts)
+            for i, s in slots:
+                args[i] = bufs[s]
+            launches.append((fn, grid, tuple(args), kwargs))
+        if device.type != "cuda":  # the interpreter
+            for fn, grid, args, kwargs in launches:
+                _launch.launch(fn, grid, args, kwargs)
+        else:
+            aligned = tuple([t is None or t.data_ptr() % 16 == 0 for t in bufs])
+            entries = self.compiled.get(aligned)
+            if entries is not None:
+                for (_, grid, args, _), entry in zip(launches, entries):
+                    _launch.run_cached(entry, grid, args)
+            else:
+                for fn, grid, args, kwargs in launches:
+                    _launch.launch(fn, grid, args, kwargs)
+                entries = [_launch.cached(fn, grid, args, kwargs) for fn, grid, args, kwargs in launches]
+                if None not in entries:
+                    self.compiled[aligned] = entries
+        global hits
+        hits += 1
+        return tuple(bufs[i] for i in self.outputs)
+
+
+class Builder:
+    """Runs a launcher's allocations and launches, and records them as a plan."""
+
+    def __init__(self, key, inputs: tuple):
+        self.key, self.ok = key, _replayable()
+        self.slot: dict[int, int] = {}
+        self.aliases: list = []
+        for i, t in enumerate(inputs):
+            if t is not None:
+                if id(t) in self.slot:  # one tensor in two roles
+                    self.aliases.append((self.slot[id(t)], i))
+                else:
+                    self.slot[id(t)] = i
+        self.n_inputs = len(inputs)
+        self.allocs: list = []
+        self.bufs: list = []  # kept alive so that their ids stay theirs while recording
+        self.zeros: list = []
+        self.launches: list = []
+
+    def zero(self, t: torch.Tensor, zero: bool) -> torch.Tensor:
+        """An input the launches write into, zeroed first when ``zero`` (replayed before the launches)."""
+        if zero:
+            t.zero_()
+            s = self.slot.get(id(t))
+            if s is None:
+                self.ok = False
+            else:
+                self.zeros.append(s)
+        return t
+
+    def unplanned(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor made outside the recorded buffers: this call keeps no plan."""
+        self.ok = False
+        return t
+
+    def alloc(self, factory, shape, dtype, device) -> torch.Tensor:
+        t = factory(shape, dtype=dtype, device=device)
+        self.slot[id(t)] = self.n_inputs + len(self.allocs)
+        self.allocs.append((factory, tuple(shape), dtype))
+        self.bufs.append(t)
+        return t
+
+    def launch(self, fn, grid, args: tuple, kwargs: dict) -> None:
+        _launch.launch(fn, grid, args, kwargs)  # raises (e.g. out of shared memory) before recording
+        if not self.ok:
+            return
+        consts, slots = list(args), []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                s = self.slot.get(id(a))
+                if s is None:  # a tensor the call's signature does not account for
+                    self.ok = False
+                    return
+                slots.append((i, s))
+                consts[i] = None
+        self.launches.append((fn, tuple(grid), tuple(consts), tuple(slots), dict(kwargs)))
+
+    def finish(self, outputs: tuple) -> tuple:
+        """Keep the plan (when replayable) and return ``outputs``."""
+        if self.ok and self.key is not None:
+            slots = tuple(self.slot.get(id(t)) for t in outputs)
+            if None not in slots:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[self.key] = Plan(tuple(self.aliases), tuple(self.allocs), tuple(self.zeros),
+                                       tuple(self.launches), slots)
+        return outputs
