@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tritonattn import autotune, configs
+from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
     LOG2E,
     dropout_keep,
@@ -24,7 +25,6 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
-from tritonattn.kernels import plan
 from tritonattn.kernels.launch import cdiv, launch
 from tritonattn.kernels.variants import Variants
 

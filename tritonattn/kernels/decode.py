@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from tritonattn import configs
+from tritonattn.kernels import plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, scores_log2
 from tritonattn.kernels.fwd import _kv_rows
-from tritonattn.kernels import plan
 from tritonattn.kernels.launch import cdiv, next_pow2
 from tritonattn.kernels.variants import Variants
 

@@ -1,11 +1,12 @@
 """FlashAttention-2 forward: online softmax in the exp2 domain, writes O and the LSE."""
 
+import torch
 import triton
 import triton.language as tl
 
 from tritonattn import autotune, configs
-from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels import plan
+from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
 from tritonattn.kernels.launch import cdiv
 from tritonattn.kernels.variants import Variants
 
@@ -196,8 +197,6 @@ def attention_forward(q, k, v, var: Variants):
     Returns ``(out, lse)``: out like q's shape and dtype; lse float32, (B, Hq, Sq) dense or
     (Hq, total_q) variable length, contiguous.
     """
-    import torch
-
     inputs = (q, k, v, *var.tensors())
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature())
     p = plan.get(key)

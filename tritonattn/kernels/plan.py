@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonattn import autotune, configs
 from tritonattn.kernels import launch as _launch
 
 _plans: dict = {}
@@ -47,8 +48,6 @@ def get(key):
 
 
 def _replayable() -> bool:
-    from tritonattn import autotune, configs
-
     return _launch.ENABLED and not configs._override and not autotune.env_enabled()
 
 
