@@ -119,6 +119,26 @@ def test_bad_softmax_scale(scale):
         flash_attn_func(q, k, v, softmax_scale=scale)
 
 
+def test_checks_still_run_after_a_remembered_signature():
+    """flash_attn_func skips its checks for a signature that passed them before (host time); options
+    equal in value but not in type, other shapes or dtypes, or unhashable options still get them."""
+    q, k, v = _qkv()
+    flash_attn_func(q, k, v, softmax_scale=1, window_size=[3, -1], softcap=0.0, dropout_p=0.0)
+    flash_attn_func(q, k, v, softmax_scale=1, window_size=[3, -1], softcap=0.0, dropout_p=0.0)  # remembered
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_attn_func(q, k, v, softmax_scale=True, window_size=[3, -1])
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_func(q, k, v, softmax_scale=1, window_size=[3, -1], dropout_p=True)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q, k, v, softmax_scale=1, window_size=[3, [-1]])
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_attn_func(q, k, v, softmax_scale=[1.0])
+    with pytest.raises(TypeError, match="k has dtype"):
+        flash_attn_func(q, k.float(), v, softmax_scale=1, window_size=[3, -1])
+    with pytest.raises(ValueError, match="k has head dim"):
+        flash_attn_func(q, k[..., :8], v[..., :8], softmax_scale=1, window_size=[3, -1])
+
+
 def test_packed_shapes():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="qkv must have shape"):

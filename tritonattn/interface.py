@@ -102,10 +102,43 @@ def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, c
                    win_right=None if right == -1 else right, softcap=float(softcap),
                    alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), deterministic=bool(deterministic))
     if dropout_p > 0:
-        # drawn from the device's default generator, so torch.manual_seed makes runs reproducible;
-        # kept on the device (the kernels load it): no host sync
-        var.seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+        var.seed = _dropout_seed(q.device)
     return var
+
+
+def _dropout_seed(device) -> torch.Tensor:
+    # drawn from the device's default generator, so torch.manual_seed makes runs reproducible;
+    # kept on the device (the kernels load it): no host sync
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+# Signatures of flash_attn_func calls that passed every check: a repeated call (each training step,
+# each layer) skips the checks, whose result depends only on what the key holds: type, shape, dtype
+# and device of q / k / v and the type and value of each option (types too, so that True is not
+# taken for an accepted 1). Not while torch.compile traces, not with ALiBi slopes (a tensor).
+_VALIDATED: dict = {}
+_Tensor = torch.Tensor
+
+
+def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+        return None
+    try:
+        window = tuple(window_size)
+        key = (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device,
+               type(dropout_p), dropout_p, type(softmax_scale), softmax_scale, type(causal), causal,
+               tuple(map(type, window)), window, type(softcap), softcap, type(deterministic), deterministic)
+        hash(key)  # an unhashable option (a list, ...) takes the checks, which name it
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(key, var: Variants) -> None:
+    if len(_VALIDATED) >= 4096:
+        _VALIDATED.clear()
+    _VALIDATED[key] = dict(softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right,
+                           softcap=var.softcap, dropout_p=var.dropout_p, deterministic=var.deterministic)
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
@@ -214,14 +247,25 @@ def flash_attn_func(
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in the input dtype, or
         ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``.
     """
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_qkv(q, k, v)
-    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         deterministic=deterministic)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling or alibi_slopes is not None else _call_key(q, k, v, dropout_p, softmax_scale, causal,
+                                                                         window_size, softcap, deterministic)
+    fields = None if key is None else _VALIDATED.get(key)
+    if fields is not None:  # this exact signature passed the checks before
+        var = Variants(**fields)
+        if dropout_p > 0:
+            var.seed = _dropout_seed(q.device)
+    else:
+        _check_tensor("q", q, 4)
+        _check_tensor("k", k, 4)
+        _check_tensor("v", v, 4)
+        _check_qkv(q, k, v)
+        var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             deterministic=deterministic)
+        if key is not None:
+            _remember(key, var)
     return_probs = return_attn_probs and dropout_p > 0
-    if torch.compiler.is_compiling() and not return_probs:
+    if compiling and not return_probs:
         out, lse = apply_compiled(var, q, k, v, None)
         return _finish(out, lse, None, return_attn_probs)
     if not _needs_grad(q, k, v):  # inference: skip the autograd machinery (host time per call)
