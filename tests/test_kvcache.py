@@ -115,6 +115,27 @@ def test_apply_rotary_matches_complex_rotation():
     assert torch.allclose(got, torch.view_as_real(z).reshape(1, 5, 2, 8))
 
 
+def test_checks_still_run_after_a_remembered_signature():
+    """flash_attn_with_kvcache skips its checks for a signature that passed them before; an int
+    cache_seqlens is still range-checked on every call, and options of another type get the checks."""
+    q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16)
+    kc, vc = _cache(2, 32, 2, 16)
+    for n in (5, 6):  # the second call is remembered
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=2)
+    with pytest.raises(ValueError, match="cache_seqlens = 33 is outside"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=33, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, num_splits=True)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, num_splits=2, softmax_scale=[1.0])
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=True, num_splits=2)
+    lens = torch.tensor([3, 20], dtype=torch.int32, device=DEVICE)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2)
+    with pytest.raises(ValueError, match="cache_seqlens"):  # contents: every call (CPU, TRITONATTN_DEBUG)
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens + 20, num_splits=2)
+
+
 def test_kvcache_bad_input():
     q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16)
     kc, vc = _cache(2, 32, 2, 16)

@@ -15,6 +15,7 @@ import torch
 from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks
 from tritonattn.kernels.decode import decode_forward
 from tritonattn.kernels.fwd import attention_forward
+from tritonattn.kernels.variants import Variants
 
 # split-KV decoding packs seqlen_q x (nheads / nheads_k) query rows into one tile
 DECODE_MAX_ROWS = 64
@@ -56,6 +57,41 @@ def _int_tensor(name: str, t, B: int, device) -> torch.Tensor | None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
     return t
+
+
+# Signatures of calls that passed every check (each step of a decoding loop repeats one): type,
+# shape, dtype and device of each tensor argument, the type of cache_seqlens (an int's range is
+# checked on every call), the type and value of each option. Not while torch.compile traces, not
+# with ALiBi slopes. Checks of tensor contents (TRITONATTN_DEBUG, CPU tensors) run on every call.
+_KV_VALIDATED: dict = {}
+_Tensor = torch.Tensor
+
+
+def _kv_key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx, leftpad, block_table, softmax_scale,
+            causal, window_size, softcap, rotary_interleaved, num_splits):
+    metas = []
+    for t in (q, k_cache, v_cache, k, v, cos, sin, batch_idx, leftpad, block_table):
+        if t is None:
+            metas.append(None)
+        elif type(t) is _Tensor:
+            metas.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    if type(cache_seqlens) is _Tensor:
+        lens = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+    elif cache_seqlens is None or type(cache_seqlens) is int:
+        lens = type(cache_seqlens)
+    else:
+        return None
+    try:
+        window = tuple(window_size)
+        key = (*metas, lens, type(softmax_scale), softmax_scale, type(causal), causal, tuple(map(type, window)),
+               window, type(softcap), softcap, type(rotary_interleaved), rotary_interleaved, type(num_splits),
+               num_splits)
+        hash(key)  # an unhashable option takes the checks, which name it
+    except TypeError:
+        return None
+    return key
 
 
 def flash_attn_with_kvcache(
@@ -102,62 +138,86 @@ def flash_attn_with_kvcache(
             ``seqlen_q * nheads / nheads_k <= 64``, with about one wave of programs.
         return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
     """
-    _check_tensor("q", q, 4)
-    _check_tensor("k_cache", k_cache, 4)
-    _check_tensor("v_cache", v_cache, 4)
-    B, Sq, Hq, D = q.shape
-    paged = block_table is not None
-    if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
-                or block_table.shape[0] != B:
-            raise ValueError(f"block_table must be an int32 tensor of shape ({B}, max_blocks)")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be used with a paged cache (block_table)")
-        page_size = k_cache.shape[1]
-        capacity = block_table.shape[1] * page_size
-    else:
-        capacity = k_cache.shape[1]
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    # the shared shape / dtype / head checks, on the cache seen as (batch, capacity, Hkv, D)
-    _check_qkv(q, _CacheView(B, capacity, k_cache), _CacheView(B, capacity, v_cache),
-               names=("q", "k_cache", "v_cache"))
-    if not paged and cache_batch_idx is None and k_cache.shape[0] != B:
-        raise ValueError(f"k_cache holds {k_cache.shape[0]} rows but q has batch {B} (give cache_batch_idx)")
-    batch_idx = _int_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
-    leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
-
     compiling = torch.compiler.is_compiling()  # torch.compile traces: checks only, then the custom op
-    if cache_seqlens is None:
-        seqlens = None if compiling else _filled(B, capacity, q.device)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:
-            raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
-        seqlens = None if compiling else _filled(B, cache_seqlens, q.device)
+    key = None if compiling or alibi_slopes is not None else _kv_key(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
+    known = None if key is None else _KV_VALIDATED.get(key)
+    if known is not None:  # this signature passed the checks before (every step of a decoding loop)
+        B, Sq, Hq, D, paged, page_size, capacity, n_new, fields = known
+        batch_idx, leftpad = cache_batch_idx, cache_leftpad
+        if cache_seqlens is None:
+            seqlens = _filled(B, capacity, q.device)
+        elif type(cache_seqlens) is int:
+            if not 0 <= cache_seqlens <= capacity:
+                raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
+            seqlens = _filled(B, cache_seqlens, q.device)
+        else:
+            seqlens = cache_seqlens
+        var = Variants(**fields)
     else:
-        seqlens = _int_tensor("cache_seqlens", cache_seqlens, B, q.device)
+        page_size = 0
+        _check_tensor("q", q, 4)
+        _check_tensor("k_cache", k_cache, 4)
+        _check_tensor("v_cache", v_cache, 4)
+        B, Sq, Hq, D = q.shape
+        paged = block_table is not None
+        if paged:
+            if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                    or block_table.shape[0] != B:
+                raise ValueError(f"block_table must be an int32 tensor of shape ({B}, max_blocks)")
+            if block_table.device != q.device:
+                raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx cannot be used with a paged cache (block_table)")
+            page_size = k_cache.shape[1]
+            capacity = block_table.shape[1] * page_size
+        else:
+            capacity = k_cache.shape[1]
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                             f"{tuple(v_cache.shape)}")
+        # the shared shape / dtype / head checks, on the cache seen as (batch, capacity, Hkv, D)
+        _check_qkv(q, _CacheView(B, capacity, k_cache), _CacheView(B, capacity, v_cache),
+                   names=("q", "k_cache", "v_cache"))
+        if not paged and cache_batch_idx is None and k_cache.shape[0] != B:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} rows but q has batch {B} (give cache_batch_idx)")
+        batch_idx = _int_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
+        leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
 
-    n_new = 0
-    if (k is None) != (v is None):
-        raise ValueError("give both k and v (new tokens) or neither")
-    if k is not None:
-        _check_tensor("k", k, 4)
-        _check_tensor("v", v, 4)
-        if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or k.dtype != k_cache.dtype:
-            raise ValueError(f"k and v must have shape ({B}, seqlen_new, {k_cache.shape[2]}, {D}) and the cache's "
-                             f"dtype, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
-        n_new = k.shape[1]
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("give both rotary_cos and rotary_sin or neither")
-    if rotary_cos is not None:
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rotary_cos.shape[1] * 2 > D:
-            raise ValueError(f"rotary_cos / rotary_sin must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
-                             f"<= {D}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+        if cache_seqlens is None:
+            seqlens = None if compiling else _filled(B, capacity, q.device)
+        elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            if not 0 <= cache_seqlens <= capacity:
+                raise ValueError(f"cache_seqlens = {cache_seqlens} is outside [0, {capacity}]")
+            seqlens = None if compiling else _filled(B, cache_seqlens, q.device)
+        else:
+            seqlens = _int_tensor("cache_seqlens", cache_seqlens, B, q.device)
+
+        n_new = 0
+        if (k is None) != (v is None):
+            raise ValueError("give both k and v (new tokens) or neither")
+        if k is not None:
+            _check_tensor("k", k, 4)
+            _check_tensor("v", v, 4)
+            if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or k.dtype != k_cache.dtype:
+                raise ValueError(f"k and v must have shape ({B}, seqlen_new, {k_cache.shape[2]}, {D}) and the cache's "
+                                 f"dtype, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+            n_new = k.shape[1]
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("give both rotary_cos and rotary_sin or neither")
+        if rotary_cos is not None:
+            if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rotary_cos.shape[1] * 2 > D:
+                raise ValueError(f"rotary_cos / rotary_sin must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                                 f"<= {D}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+        var = _check_options(q, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        if key is not None:
+            if len(_KV_VALIDATED) >= 4096:
+                _KV_VALIDATED.clear()
+            _KV_VALIDATED[key] = (B, Sq, Hq, D, paged, page_size, capacity, n_new, dict(
+                softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right, softcap=var.softcap))
     if not compiling and (q.device.type == "cpu" or _debug_checks()):  # contents: a device sync on CUDA
         start = leftpad if leftpad is not None else torch.zeros_like(seqlens)
         if bool((seqlens < start).any()) or bool((seqlens + n_new > capacity).any()):
@@ -166,7 +226,6 @@ def flash_attn_with_kvcache(
         if rotary_cos is not None and int((seqlens - start).max()) + max(n_new, Sq) > rotary_cos.shape[0]:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions are too short")
 
-    var = _check_options(q, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
     if compiling:
         seqlens_t, seqlens_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else \
             (None, -1 if cache_seqlens is None else cache_seqlens)
