@@ -18,6 +18,7 @@ from tritonattn.kernels.bwd import attention_probs
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 from tritonattn.ops import FlashAttnFunction, apply_compiled, apply_compiled_packed
+from tritonattn.ops import forward as ops_forward
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -203,6 +204,8 @@ def _apply(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias
     if torch.compiler.is_compiling() and not return_probs:
         out, lse = apply_compiled_packed(packing, var, tensors, bias)
         return out, lse, None
+    if not _needs_grad(*tensors, bias):  # inference: skip the autograd machinery (host time per call)
+        return ops_forward(packing, var, return_probs, tensors, bias)
     return FlashAttnFunction.apply(packing, var, return_probs, *tensors, bias)
 
 

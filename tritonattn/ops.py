@@ -26,11 +26,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packing: str, var: Variants, return_probs: bool, t0, t1, t2, bias):
         tensors = (t0, t1, t2)
-        q, k, v = _unpack(packing, tensors)
-        if bias is not None:
-            var.bias = bias.expand(var.score_shape(q, k))  # varlen: (B, Hq, max_seqlen_q, max_seqlen_k)
-        out, lse = attention_forward(q, k, v, var)
-        probs = attention_probs(q, k, v, lse, var) if return_probs else None
+        out, lse, probs = forward(packing, var, return_probs, tensors, bias)
         ctx.save_for_backward(*[t for t in tensors if t is not None], out, lse)
         ctx.packing, ctx.var = packing, var
         ctx.bias_shape = bias.shape if bias is not None and bias.requires_grad else None
@@ -66,6 +62,17 @@ class FlashAttnFunction(torch.autograd.Function):
         if dbias is not None:
             dbias = dbias.to(ctx.bias_dtype)
         return (None, None, None, *grads, dbias)
+
+
+def forward(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias):
+    """``(out, lse, probs)``: the forward of :class:`FlashAttnFunction`, also called directly when no
+    input needs a gradient (no autograd machinery: host time per call)."""
+    q, k, v = _unpack(packing, tensors)
+    if bias is not None:
+        var.bias = bias.expand(var.score_shape(q, k))  # varlen: (B, Hq, max_seqlen_q, max_seqlen_k)
+    out, lse = attention_forward(q, k, v, var)
+    probs = attention_probs(q, k, v, lse, var) if return_probs else None
+    return out, lse, probs
 
 
 def _unpack(packing: str, tensors):

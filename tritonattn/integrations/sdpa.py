@@ -65,8 +65,7 @@ def scaled_dot_product_attention(
         return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
 
-    from tritonattn.interface import _check_mask_and_bias, _check_options, _check_qkv
-    from tritonattn.ops import FlashAttnFunction, apply_compiled
+    from tritonattn.interface import _apply, _check_mask_and_bias, _check_options, _check_qkv
 
     lead = query.shape[:-3]
     Hq, Sq, D = query.shape[-3:]
@@ -96,10 +95,7 @@ def scaled_dot_product_attention(
         else:
             bias = m
     _check_mask_and_bias(q, k, bias, mask, None, var)
-    if torch.compiler.is_compiling():
-        out, _ = apply_compiled(var, q, k, v, bias)
-    else:
-        out, _, _ = FlashAttnFunction.apply("none", var, False, q, k, v, bias)
+    out, _, _ = _apply("none", var, False, (q, k, v), bias)
     return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
 
 
