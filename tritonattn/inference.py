@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks
+from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks, _signature
 from tritonattn.kernels.decode import decode_forward
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import Variants
@@ -59,39 +59,11 @@ def _int_tensor(name: str, t, B: int, device) -> torch.Tensor | None:
     return t
 
 
-# Signatures of calls that passed every check (each step of a decoding loop repeats one): type,
-# shape, dtype and device of each tensor argument, the type of cache_seqlens (an int's range is
-# checked on every call), the type and value of each option. Not while torch.compile traces, not
-# with ALiBi slopes. Checks of tensor contents (TRITONATTN_DEBUG, CPU tensors) run on every call.
+# Signatures of calls that passed every check (each step of a decoding loop repeats one), as
+# interface._signature; of an int cache_seqlens only the type (its range is checked on every call).
+# Not while torch.compile traces, not with ALiBi slopes. Checks of tensor contents (TRITONATTN_DEBUG,
+# CPU tensors) run on every call.
 _KV_VALIDATED: dict = {}
-_Tensor = torch.Tensor
-
-
-def _kv_key(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx, leftpad, block_table, softmax_scale,
-            causal, window_size, softcap, rotary_interleaved, num_splits):
-    metas = []
-    for t in (q, k_cache, v_cache, k, v, cos, sin, batch_idx, leftpad, block_table):
-        if t is None:
-            metas.append(None)
-        elif type(t) is _Tensor:
-            metas.append((t.shape, t.dtype, t.device))
-        else:
-            return None
-    if type(cache_seqlens) is _Tensor:
-        lens = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
-    elif cache_seqlens is None or type(cache_seqlens) is int:
-        lens = type(cache_seqlens)
-    else:
-        return None
-    try:
-        window = tuple(window_size)
-        key = (*metas, lens, type(softmax_scale), softmax_scale, type(causal), causal, tuple(map(type, window)),
-               window, type(softcap), softcap, type(rotary_interleaved), rotary_interleaved, type(num_splits),
-               num_splits)
-        hash(key)  # an unhashable option takes the checks, which name it
-    except TypeError:
-        return None
-    return key
 
 
 def flash_attn_with_kvcache(
@@ -139,9 +111,12 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
     """
     compiling = torch.compiler.is_compiling()  # torch.compile traces: checks only, then the custom op
-    key = None if compiling or alibi_slopes is not None else _kv_key(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-        softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
+    lens_tensor = isinstance(cache_seqlens, torch.Tensor)
+    key = None if compiling or alibi_slopes is not None else _signature(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if lens_tensor else None, cache_batch_idx,
+         cache_leftpad, block_table),
+        (None if lens_tensor else type(cache_seqlens), softmax_scale, causal, window_size, softcap, rotary_interleaved,
+         num_splits))
     known = None if key is None else _KV_VALIDATED.get(key)
     if known is not None:  # this signature passed the checks before (every step of a decoding loop)
         B, Sq, Hq, D, paged, page_size, capacity, n_new, fields = known

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.configs import env_flag, interpreting
-from tritonattn.kernels.bwd import attention_probs
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 from tritonattn.ops import FlashAttnFunction, apply_compiled, apply_compiled_packed
@@ -114,22 +113,30 @@ def _dropout_seed(device) -> torch.Tensor:
 
 
 # Signatures of flash_attn_func calls that passed every check: a repeated call (each training step,
-# each layer) skips the checks, whose result depends only on what the key holds: type, shape, dtype
-# and device of q / k / v and the type and value of each option (types too, so that True is not
-# taken for an accepted 1). Not while torch.compile traces, not with ALiBi slopes (a tensor).
+# each layer) skips the checks, whose result depends only on what the key holds (see _signature).
+# Not while torch.compile traces, not with ALiBi slopes (a tensor).
 _VALIDATED: dict = {}
 _Tensor = torch.Tensor
 
 
-def _call_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic):
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None
+def _signature(tensors: tuple, options: tuple) -> tuple | None:
+    """Key of a call for remembered checks: type, shape, dtype and device of each tensor argument
+    (None where absent) and the type and value of each option (types too, so that True is not taken
+    for an accepted 1; a list or tuple option element by element). None when a tensor argument is
+    not a plain tensor or an option is unhashable: such calls take the checks, which name them."""
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is _Tensor:
+            key.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    for o in options:
+        key.append(tuple((type(x), x) for x in o) if type(o) in (list, tuple) else (type(o), o))
+    key = tuple(key)
     try:
-        window = tuple(window_size)
-        key = (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device,
-               type(dropout_p), dropout_p, type(softmax_scale), softmax_scale, type(causal), causal,
-               tuple(map(type, window)), window, type(softcap), softcap, type(deterministic), deterministic)
-        hash(key)  # an unhashable option (a list, ...) takes the checks, which name it
+        hash(key)
     except TypeError:
         return None
     return key
@@ -251,8 +258,8 @@ def flash_attn_func(
         ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``.
     """
     compiling = torch.compiler.is_compiling()
-    key = None if compiling or alibi_slopes is not None else _call_key(q, k, v, dropout_p, softmax_scale, causal,
-                                                                         window_size, softcap, deterministic)
+    key = None if compiling or alibi_slopes is not None else _signature(
+        (q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
     fields = None if key is None else _VALIDATED.get(key)
     if fields is not None:  # this exact signature passed the checks before
         var = Variants(**fields)
@@ -267,15 +274,7 @@ def flash_attn_func(
                              deterministic=deterministic)
         if key is not None:
             _remember(key, var)
-    return_probs = return_attn_probs and dropout_p > 0
-    if compiling and not return_probs:
-        out, lse = apply_compiled(var, q, k, v, None)
-        return _finish(out, lse, None, return_attn_probs)
-    if not _needs_grad(q, k, v):  # inference: skip the autograd machinery (host time per call)
-        out, lse = attention_forward(q, k, v, var)
-        probs = attention_probs(q, k, v, lse, var) if return_probs else None
-        return _finish(out, lse, probs, return_attn_probs)
-    out, lse, probs = FlashAttnFunction.apply("none", var, return_probs, q, k, v, None)
+    out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v))
     return _finish(out, lse, probs, return_attn_probs)
 
 

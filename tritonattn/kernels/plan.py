@@ -39,12 +39,14 @@ def clear() -> None:
     _plans.clear()
 
 
-def get(key):
-    """The plan kept for ``key``, or None (always None while a config is forced or autotuning is on)."""
+def replay(key, inputs: tuple, device) -> tuple | None:
+    """The outputs of the plan kept for ``key`` replayed on ``inputs``, or None (no plan, the inputs
+    do not share the tensors the recorded call shared, a config is forced or autotuning is on):
+    the launcher then takes its full path through a :class:`Builder`."""
     p = _plans.get(key)
-    if p is not None and not _replayable():
+    if p is None or not _replayable():
         return None
-    return p
+    return p.run(inputs, device)
 
 
 def _replayable() -> bool:
