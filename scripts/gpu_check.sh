@@ -45,20 +45,18 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # tests1.log), and the main job / bench / tune share GPU 0 with the second group
   IFS=';' read -ra groups <<< "${PYTEST_ARGS:-tests}"
   workers=${PYTEST_WORKERS:-$(( $(nproc) * 3 / 4 / ${#groups[@]} ))}
-  if [ "$ngpu" -ge 2 ]; then
-    for i in "${!groups[@]}"; do
+  for i in "${!groups[@]}"; do
+    log=tests$( [ "$i" -gt 0 ] && echo "$i" ).log
+    if [ "$ngpu" -ge 2 ]; then
       gpu=$(( (ngpu - 1 - i) % ngpu ))
-      log=tests$( [ "$i" -gt 0 ] && echo "$i" ).log
       echo "tests group $i (${groups[$i]}) on GPU $gpu in the background"
       (export CUDA_VISIBLE_DEVICES=$gpu; run_tests "$log" "${groups[$i]}" "$workers") &
       tests_pids+=($!)
-    done
-    export CUDA_VISIBLE_DEVICES=0
-  else
-    for i in "${!groups[@]}"; do
-      run_tests "tests$( [ "$i" -gt 0 ] && echo "$i" ).log" "${groups[$i]}" "$workers" || status=1
-    done
-  fi
+    else
+      run_tests "$log" "${groups[$i]}" "$workers" || status=1
+    fi
+  done
+  [ "$ngpu" -ge 2 ] && export CUDA_VISIBLE_DEVICES=0
   python3 -m tritonattn 2>&1 | tee "$OUT/main.log"
 fi
 
