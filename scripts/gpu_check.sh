@@ -21,6 +21,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/tritonattn-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# compiled kernels kept in the checkout (git-ignored): a later call on the same warm machine reuses them
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/env.txt"
