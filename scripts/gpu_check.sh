@@ -8,7 +8,8 @@
 #   SKIP_BENCH=1 scripts/gpu_check.sh    tests only
 #   SKIP_EXTRA=1                         without the extras (EXTRAS="overhead integration example")
 #   EXTRAS="overhead example"            only these extras: scripts/overhead.py, scripts/integration_gpu.py,
-#                                        examples/hf_llama.py
+#                                        examples/hf_llama.py, and (only when named) profile:
+#                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times)
 #   TUNE_ARGS="--modes fwd ..."          also run scripts/tune.py with these arguments (after the bench)
 #   TUNE_WALL=200                        stop the tuner after this many seconds
 #   TESTS_WALL=540                       stop the test run after this many seconds (SIGINT: pytest still
@@ -67,6 +68,8 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
   extras=" ${EXTRAS:-overhead integration example} "
   [[ $extras == *" overhead "* ]] && python3 scripts/overhead.py 2>&1 | tee "$OUT/overhead.md"
   [[ $extras == *" integration "* ]] && python3 scripts/integration_gpu.py 2>&1 | tee "$OUT/integration.log" | tail -25
+  # shellcheck disable=SC2086
+  [[ $extras == *" profile "* ]] && python3 scripts/profile_case.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.md"
   [[ $extras == *" example "* ]] && python3 examples/hf_llama.py 2>&1 | tee "$OUT/hf_llama-example.log" | tail -15
 fi
 
