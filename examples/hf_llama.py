@@ -3,9 +3,10 @@
 Builds a Llama from a config (random weights: no download), then for each attention backend runs
 greedy generation and one fine-tuning step, and prints time and peak memory side by side.
 On a GPU it uses a ~1B-parameter shape in bf16; without one, a tiny shape under the Triton
-interpreter (a functional check, not a speed figure).
+interpreter (a functional check, not a speed figure); ``--tiny`` takes that tiny fp32 shape on a
+GPU too.
 
-    python examples/hf_llama.py [--seqlen 4096] [--batch 2]
+    python examples/hf_llama.py [--seqlen 4096] [--batch 2] [--tiny]
 """
 
 from __future__ import annotations
@@ -27,15 +28,20 @@ import tritonattn.integrations.transformers  # noqa: E402,F401 - registers attn_
 def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlen", type=int, default=4096 if gpu else 48)
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer fp32 model (the default without a GPU; on a GPU: a quick end-to-end check)")
+    p.add_argument("--seqlen", type=int)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--backends", nargs="+", default=["tritonattn", "sdpa", "eager"])
     args = p.parse_args()
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8) if gpu else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=2)
-    config = transformers.LlamaConfig(vocab_size=32000 if gpu else 128, max_position_embeddings=args.seqlen + 64,
+    tiny = args.tiny or not gpu
+    args.seqlen = args.seqlen or (48 if tiny else 4096)
+    device, dtype = "cuda" if gpu else "cpu", torch.float32 if tiny else torch.bfloat16
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2) if tiny else dict(hidden_size=2048, intermediate_size=5632,
+                                                        num_hidden_layers=16, num_attention_heads=32,
+                                                        num_key_value_heads=8)
+    config = transformers.LlamaConfig(vocab_size=128 if tiny else 32000, max_position_embeddings=args.seqlen + 64,
                                       **cfg)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seqlen), device=device)
     print(f"Llama ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, GQA {cfg['num_attention_heads']}/"
