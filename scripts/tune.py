@@ -9,6 +9,9 @@ Compilation dominates a sweep, so every candidate is first compiled by a pool of
 (``--workers``, each runs a small problem with the same kernel specialization, filling Triton's disk
 cache); the timing pass then only loads the cached binaries. Candidates that fail to compile or
 launch (shared memory) are reported and skipped. Results: a table on stdout and a CSV under $OUT.
+``--fwd-variants plain tma tma+ws`` times each forward candidate also with K / V read through tensor
+descriptors (``tma``) and with the unmasked loop warp-specialized (``ws``): the launcher's switches
+``kernels.fwd.TMA`` / ``WS``.
 
     python scripts/tune.py --head-dims 128 --causal yes no --modes fwd bwd_dkdv bwd_dq
 """
@@ -52,21 +55,28 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
     return (lambda: out.backward(dout, retain_graph=True)), [q, k, v]
 
 
+def _set_variant(variant: str) -> None:
+    from tritonattn.kernels import fwd
+
+    fwd.TMA, fwd.WS = "tma" in variant, "ws" in variant
+
+
 def _compile_jobs(jobs) -> list[str]:
-    """Worker: run each (mode, cfg, D, causal, dtype) once on a small problem with the same
+    """Worker: run each (mode, cfg, D, causal, dtype, variant) once on a small problem with the same
     specialization as the timed one (sizes and strides divisible by 16), so Triton caches it."""
     notes = []
-    for mode, cfg, D, causal, dt in jobs:
+    for mode, cfg, D, causal, dt, variant in jobs:
         B, Hq, Hkv = shape_for(D, 8192)
+        _set_variant(variant)
         t0 = time.perf_counter()
         try:
             with configs.override(**{mode: C(*cfg)}):
                 fn, _ = make_call(mode, 1, 256, Hq, Hkv, D, causal, DTYPES[dt])
                 fn()
                 torch.cuda.synchronize()
-            notes.append(f"compiled {mode} {cfg} D={D} causal={causal} in {time.perf_counter() - t0:.1f} s")
+            notes.append(f"compiled {mode} {variant} {cfg} D={D} causal={causal} in {time.perf_counter() - t0:.1f} s")
         except Exception as e:  # noqa: BLE001 - reported by the timing pass too
-            notes.append(f"FAILED {mode} {cfg} D={D} causal={causal}: {type(e).__name__}: {str(e)[:120]}")
+            notes.append(f"FAILED {mode} {variant} {cfg} D={D} causal={causal}: {type(e).__name__}: {str(e)[:120]}")
     return notes
 
 
@@ -78,6 +88,9 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
+    p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
+                   help="time only these candidates (default: the candidate list of configs.py)")
     p.add_argument("--atomic-dq", action="store_true",
                    help="tune the opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1)")
     args = p.parse_args(argv)
@@ -86,8 +99,14 @@ def main(argv=None) -> int:
     import triton.testing
 
     dtype = DTYPES[args.dtype]
-    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype) for D in args.head_dims for c in args.causal
-            for mode in args.modes for cfg in CANDIDATES[D][mode]]
+    def candidates(D, mode):
+        if args.configs:
+            return [C(*map(int, c.split(","))) for c in args.configs]
+        return CANDIDATES[D][mode]
+
+    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant) for D in args.head_dims for c in args.causal
+            for mode in args.modes for cfg in candidates(D, mode)
+            for variant in (args.fwd_variants if mode == "fwd" else ["plain"])]
     t0 = time.perf_counter()
     if args.workers > 1:
         chunks = [plan[i::args.workers] for i in range(args.workers)]
@@ -99,7 +118,8 @@ def main(argv=None) -> int:
     print(f"# precompiled {len(plan)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = []
-    for mode, cfg, D, causal, _ in plan:
+    for mode, cfg, D, causal, _, variant in plan:
+        _set_variant(variant)
         B, Hq, Hkv = shape_for(D, args.seqlen)
         flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
         flops *= 1.0 if mode == "fwd" else 2.5
@@ -111,25 +131,29 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - a config that cannot launch is a result
                 ms, tf, note = float("nan"), 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         torch.cuda.empty_cache()
-        rows.append(dict(D=D, causal=causal, mode=mode, cfg=cfg, ms=ms, tflops=tf, note=note))
-        print(f"D={D} causal={causal:d} {mode:9} {cfg} {ms:8.3f} ms {tf:6.1f} TFLOP/s {note}", flush=True)
+        rows.append(dict(D=D, causal=causal, mode=mode, variant=variant, cfg=cfg, ms=ms, tflops=tf, note=note))
+        print(f"D={D} causal={causal:d} {mode:9} {variant:7} {cfg} {ms:8.3f} ms {tf:6.1f} TFLOP/s {note}", flush=True)
+    _set_variant("plain")
 
     print(f"\n{args.dtype}, S={args.seqlen}, {torch.cuda.get_device_name()}")
-    print("| D | causal | mode | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| D | causal | mode | variant | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config "
+          "| TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for D in args.head_dims:
         for c in args.causal:
             for mode in args.modes:
-                sel = [r for r in rows if r["D"] == D and r["causal"] == (c == "yes") and r["mode"] == mode
-                       and r["tflops"] > 0]
-                if not sel:
-                    continue
-                best = max(sel, key=lambda r: r["tflops"])
-                table = tuple(configs.table_configs()[mode][(D, 2, c == "yes")])
-                cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
-                print(f"| {D} | {c} | {mode} | {best['cfg']} | {best['tflops']:.1f} | {table} | {cur:.1f} |")
+                for variant in (args.fwd_variants if mode == "fwd" else ["plain"]):
+                    sel = [r for r in rows if r["D"] == D and r["causal"] == (c == "yes") and r["mode"] == mode
+                           and r["variant"] == variant and r["tflops"] > 0]
+                    if not sel:
+                        continue
+                    best = max(sel, key=lambda r: r["tflops"])
+                    table = tuple(configs.table_configs()[mode][(D, 2, c == "yes")])
+                    cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
+                    print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
+                          f"| {cur:.1f} |")
     out = os.environ.get("OUT", ".")
-    tag = "-atomic-dq" if args.atomic_dq else ""
+    tag = ("-atomic-dq" if args.atomic_dq else "") + ("-" + "-".join(args.fwd_variants) if args.fwd_variants != ["plain"] else "")
     name = f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

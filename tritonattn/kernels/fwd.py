@@ -3,6 +3,7 @@
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
@@ -28,7 +29,7 @@ def _kv_rows(cur_n, k_start, p_bt, page_size, stride_page, stride_row, Sk, PAGED
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+    p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start, k_desc, v_desc,
     offs_m, offs_n, offs_d, lo, hi, Sq, Sk,
     qk_scale, softcap_scale, softcap_log2, slope2,
     p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
@@ -37,17 +38,25 @@ def _fwd_inner(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr, SCALE_POS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """One stage of key blocks [lo, hi). BOUNDS=False for blocks every row sees in full."""
+    """One stage of key blocks [lo, hi). BOUNDS=False for blocks every row sees in full.
+
+    TMA: K / V tiles come through tensor descriptors (``k_desc`` / ``v_desc``, rows past Sk read as
+    zeros); WS: the unmasked stage's loop is warp-specialized (Triton's producer / consumer warps)."""
     PLAIN: tl.constexpr = SCALE_POS and not (SOFTCAP or HAS_ALIBI or HAS_BIAS or MASK_KIND != 0)
+    WS_LOOP: tl.constexpr = WS and not BOUNDS
     d_ok = offs_d < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS_LOOP):
         cur_n = start_n + offs_n
         kv_ok = d_ok[None, :]
         if BOUNDS:
             kv_ok = kv_ok & (cur_n[:, None] < Sk)
-        k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
-                    mask=kv_ok, other=0.0)
+        if TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
+                        mask=kv_ok, other=0.0)
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
         if PLAIN:
             # scores are q.k * qk_scale only (qk_scale > 0): take the row max of the raw products and
@@ -73,8 +82,11 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, False), p, 0.0)
-        v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
-                    mask=kv_ok, other=0.0)
+        if TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
+                        mask=kv_ok, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -98,7 +110,7 @@ def _fwd_kernel(
     KV_CACHE: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     SCALE_POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     # causal: the last query blocks have the most keys; launch them first for a better tail
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if WIN_RIGHT else tl.program_id(0)
@@ -141,6 +153,13 @@ def _fwd_kernel(
     q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     p_k = K + off_bk * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_bk * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    k_desc = p_k  # placeholders unless TMA
+    v_desc = p_v
+    if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and row strides)
+        k_desc = tl.make_tensor_descriptor(K + off_bk * stride_kb + off_hk * stride_kh, shape=[Sk, HEAD_DIM],
+                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + off_bk * stride_vb + off_hk * stride_vh, shape=[Sk, HEAD_DIM],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                               MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                               HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
@@ -153,27 +172,30 @@ def _fwd_kernel(
     if WIN_LEFT:  # masked: the window's left edge
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            k_desc, v_desc,
             offs_m, offs_n, offs_d, lo, tl.minimum(full_lo, hi),
             Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
             p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
             True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
-            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, TMA, WS)
     # unmasked: every row sees every key
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            k_desc, v_desc,
             offs_m, offs_n, offs_d, full_lo, full_hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
         False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
-        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, TMA, WS)
     # masked: the diagonal / the window's right edge, and the ragged end of the keys
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, p_bt, page_size, stride_kpage, stride_vpage, k_start,
+            k_desc, v_desc,
             offs_m, offs_n, offs_d, tl.maximum(full_hi, full_lo), hi,
         Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n,
         p_mask, stride_mask_m, stride_mask_n, win_left, win_right, seed, dropout_p,
         True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
-        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, TMA, WS)
 
     # rows that saw no key: output 0, lse -inf
     seen = l_i > 0.0
@@ -188,6 +210,37 @@ def _fwd_kernel(
              mask=m_ok[:, None] & d_ok[None, :])
 
 
+# K / V through tensor descriptors (TMA) when the layout allows (see _tma_ok), and the unmasked loop
+# warp-specialized: switches of the launcher (tests and scripts/fwd_variants.py set them; the
+# defaults are the measured choice, benchmarks/NOTES.md)
+TMA = configs.env_flag("TRITONATTN_FWD_TMA")
+WS = configs.env_flag("TRITONATTN_FWD_WS")
+
+
+def _tma_ok(q, k, v, var: Variants) -> bool:
+    """Tensor descriptors can read K / V: 16-bit elements, a power-of-two head dim (no padded
+    columns), unit dim stride, 16-byte aligned base and row / head / batch strides, keys not paged."""
+    if q.element_size() != 2 or var.block_table is not None or q.shape[-1] != configs.padded_head_dim(q.shape[-1]):
+        return False
+    for t in (k, v):
+        st = t.stride()
+        if st[-1] != 1 or t.data_ptr() % 16 or any(x % 8 for x in st[:-1]):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for descriptors created inside kernels (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _need_allocator() -> None:
+    """Kernels that build tensor descriptors need Triton's allocator (a context variable: set per
+    thread, and only where the caller has not set one of its own)."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
 def attention_forward(q, k, v, var: Variants):
     """Launch the forward. Dense: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D); variable length
     (``var.cu_seqlens_q`` set): q (total_q, Hq, D), k/v (total_k, Hkv, D), or with ``var.block_table``
@@ -198,7 +251,11 @@ def attention_forward(q, k, v, var: Variants):
     (Hq, total_q) variable length, contiguous.
     """
     inputs = (q, k, v, *var.tensors())
-    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature())
+    tma = TMA and _tma_ok(q, k, v, var)
+    if tma:
+        _need_allocator()
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
+           tma, WS)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
@@ -213,7 +270,7 @@ def attention_forward(q, k, v, var: Variants):
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
-                 PRECISION=configs.dot_precision(q.dtype))
+                 PRECISION=configs.dot_precision(q.dtype), TMA=tma, WS=WS and tma)
 
     def run(cfg):
         b.launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
