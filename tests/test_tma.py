@@ -1,0 +1,97 @@
+"""The forward's tensor-descriptor path (kernels.fwd.TMA: K / V tiles through TMA descriptors, rows
+past a sequence's end read as zeros) and its warp-specialized loop (kernels.fwd.WS) give what the
+pointer path gives, for dense, variable-length and kv-cache calls with ragged lengths; and the
+launcher takes that path only where the layout allows it."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import tritonattn
+from tritonattn.kernels import fwd, plan
+from tritonattn.kernels.variants import Variants
+
+
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _dense(gen, dtype, **kw):
+    q, k, v = _randn(gen, 2, 45, 4, 64, dtype=dtype), _randn(gen, 2, 77, 2, 64, dtype=dtype), \
+        _randn(gen, 2, 77, 2, 64, dtype=dtype)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(4, generator=gen).to(DEVICE)
+    return lambda: tritonattn.flash_attn_func(q, k, v, return_attn_probs=True, **kw)[:2], (q, k, v)
+
+
+def _bias(gen, dtype):
+    q, k, v = _randn(gen, 1, 33, 2, 32, dtype=dtype), _randn(gen, 1, 70, 2, 32, dtype=dtype), \
+        _randn(gen, 1, 70, 2, 32, dtype=dtype)
+    bias = _randn(gen, 1, 2, 33, 70, dtype=dtype)
+    return lambda: tritonattn.attention(q, k, v, bias=bias, causal=True), (q, k, v)
+
+
+def _varlen(gen, dtype):
+    cu_q = torch.tensor([0, 5, 5, 40], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 19, 22, 91], dtype=torch.int32, device=DEVICE)
+    q, k, v = _randn(gen, 40, 4, 32, dtype=dtype), _randn(gen, 91, 2, 32, dtype=dtype), \
+        _randn(gen, 91, 2, 32, dtype=dtype)
+    return lambda: tritonattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 35, 69, causal=True,
+                                                     return_attn_probs=True)[:2], (q, k, v)
+
+
+def _kvcache(gen, dtype):
+    q = _randn(gen, 3, 4, 8, 64, dtype=dtype)
+    kc, vc = _randn(gen, 3, 96, 2, 64, dtype=dtype), _randn(gen, 3, 96, 2, 64, dtype=dtype)
+    lens = torch.tensor([4, 50, 91], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([0, 7, 30], dtype=torch.int32, device=DEVICE)
+    return lambda: tritonattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=leftpad,
+                                                      causal=True, num_splits=1, return_softmax_lse=True), (q, kc, vc)
+
+
+CASES = {
+    "dense-causal-gqa": lambda gen, dt: _dense(gen, dt, causal=True),
+    "dense-full": lambda gen, dt: _dense(gen, dt),
+    "window-softcap-alibi": lambda gen, dt: _dense(gen, dt, window_size=(20, 5), softcap=15.0, alibi=True),
+    "dropout": lambda gen, dt: _dense(gen, dt, dropout_p=0.25, causal=True),
+    "bias": _bias,
+    "varlen": _varlen,
+    "kvcache-leftpad": _kvcache,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("ws", [False, True], ids=["tma", "tma+ws"])
+def test_descriptor_path_equals_pointer_path(monkeypatch, case, dtype, ws):
+    call, (q, k, v) = CASES[case](torch.Generator().manual_seed(0), dtype)
+    assert fwd._tma_ok(q, k, v, Variants(softmax_scale=1.0))
+    results = []
+    for tma in (False, True):
+        monkeypatch.setattr(fwd, "TMA", tma)
+        monkeypatch.setattr(fwd, "WS", ws and tma)
+        plan.clear()
+        torch.manual_seed(0)  # dropout's seed
+        results.append(call())
+    # the same values loaded either way: equal up to the order the compiler gives the arithmetic
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-3 if a.dtype == torch.float32 else 4e-3, rtol=0)
+
+
+def test_descriptor_path_only_where_the_layout_allows():
+    var = Variants(softmax_scale=1.0)
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.float16, device=DEVICE)
+    kv = torch.zeros(1, 8, 2, 64, dtype=torch.float16, device=DEVICE)
+    assert fwd._tma_ok(q, kv, kv, var)
+    assert not fwd._tma_ok(q.float(), kv.float(), kv.float(), var)  # fp32: the pointer path
+    odd = torch.zeros(1, 8, 2, 80, dtype=torch.float16, device=DEVICE)
+    assert not fwd._tma_ok(odd, odd, odd, var)  # padded head dim
+    wide = torch.zeros(1, 8, 2, 128, dtype=torch.float16, device=DEVICE)[..., ::2]
+    assert not fwd._tma_ok(q, wide, wide, var)  # dim stride 2
+    unaligned = torch.zeros(1 * 8 * 2 * 64 + 1, dtype=torch.float16, device=DEVICE)[1:].view(1, 8, 2, 64)
+    assert not fwd._tma_ok(q, unaligned, kv, var)  # base not 16-byte aligned
+    rows = torch.zeros(1, 8, 2 * 64 + 4, dtype=torch.float16, device=DEVICE)[..., :128].view(1, 8, 2, 64)
+    assert not fwd._tma_ok(q, rows, rows, var)  # row stride 132 elements: not a multiple of 16 bytes
+    paged = Variants(softmax_scale=1.0)
+    paged.block_table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    assert not fwd._tma_ok(q, kv, kv, paged)
