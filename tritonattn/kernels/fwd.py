@@ -52,8 +52,8 @@ def _fwd_inner(
         kv_ok = d_ok[None, :]
         if BOUNDS:
             kv_ok = kv_ok & (cur_n[:, None] < Sk)
-        if TMA:
-            k = k_desc.load([start_n, 0])
+        if TMA:  # descriptor offsets are 32-bit (start_n is 64-bit when the key range came from a kv cache)
+            k = k_desc.load([tl.cast(start_n, tl.int32), 0])
         else:
             k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
                         mask=kv_ok, other=0.0)
@@ -83,7 +83,7 @@ def _fwd_inner(
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, False), p, 0.0)
         if TMA:
-            v = v_desc.load([start_n, 0])
+            v = v_desc.load([tl.cast(start_n, tl.int32), 0])
         else:
             v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
                         mask=kv_ok, other=0.0)
