@@ -211,7 +211,7 @@ def _fwd_kernel(
 
 
 # K / V through tensor descriptors (TMA) when the layout allows (see _tma_ok), and the unmasked loop
-# warp-specialized: switches of the launcher (tests and scripts/fwd_variants.py set them; the
+# warp-specialized: switches of the launcher (tests and scripts/tune.py --fwd-variants set them; the
 # defaults are the measured choice, benchmarks/NOTES.md)
 TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
