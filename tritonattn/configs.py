@@ -63,6 +63,9 @@ C = TileConfig
 # benchmarks/NOTES.md. D=16 / 32 take D=64's entries (not measured separately).
 # fp32 (element bytes 4) uses 32x32 tiles: its ieee dots compile to unrolled FMA code, and 64x32
 # tiles took 100-200 s to compile per head dim on the H200; fp32 is the accuracy path, not the fast one.
+# From D=128 on, 8 warps: with 4, every D=256 kernel spilled (dK/dV 17-18 KB per thread) and the forward
+# and dQ kernels at D=128 spilled too; 8 warps spill nothing at D=256 and compile 3.3x faster (78 -> 22 s
+# for the three kernels on a 2-core CPU, scripts/compile_check.py, benchmarks/NOTES.md).
 _MEASURED = {
     # D: {mode: (non-causal config, causal config)}
     64: {"fwd": (C(128, 64, 8, 3), C(128, 64, 8, 3)),
@@ -77,12 +80,12 @@ _MEASURED = {
           "bwd_dkdv": (C(32, 128, 8, 2, 2), C(32, 128, 8, 2, 2)),
           "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
 }
-_FP32 = C(32, 32, 4, 1)
+_FP32 = {16: C(32, 32, 4, 1), 32: C(32, 32, 4, 1), 64: C(32, 32, 4, 1), 128: C(32, 32, 8, 1), 256: C(32, 32, 8, 1)}
 _SM90 = {
     mode: {
         **{(d, 2, causal): _MEASURED[max(d, 64)][mode][causal] for d in (16, 32, 64, 128, 256)
            for causal in (False, True)},
-        **{(d, 4, causal): _FP32 for d in (16, 32, 64, 128, 256) for causal in (False, True)},
+        **{(d, 4, causal): _FP32[d] for d in (16, 32, 64, 128, 256) for causal in (False, True)},
     }
     for mode in ("fwd", "bwd_dkdv", "bwd_dq")
 }
@@ -214,8 +217,8 @@ def decode_config(q: torch.Tensor) -> TileConfig:
         return _override["decode"]
     if not _on_device(q):
         return _DECODE_INTERP
-    if q.element_size() == 4:
-        return _DECODE_FP32
+    if q.element_size() == 4:  # 8 warps from D=128 on, as _FP32 (4 spilled 160-256 bytes at D=128)
+        return _DECODE_FP32._replace(num_warps=8) if padded_head_dim(q.shape[-1]) >= 128 else _DECODE_FP32
     return _DECODE[(padded_head_dim(q.shape[-1]), 2)]
 
 
@@ -227,6 +230,8 @@ def tile_config(q: torch.Tensor) -> TileConfig:
     cfg = _TILE[q.element_size()]
     if padded_head_dim(q.shape[-1]) >= 256 and cfg.block_n > 32:  # D=256: 278528 bytes at 64 x 64
         cfg = cfg._replace(block_n=32)
+    if q.element_size() == 4 and padded_head_dim(q.shape[-1]) >= 128:  # as _FP32: 4 warps spilled 16 KB at D=256
+        cfg = cfg._replace(num_warps=8)
     return cfg
 
 
