@@ -299,3 +299,36 @@ def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out_g, ref), lens
         assert torch.equal(kc_g, kc_e) and torch.equal(vc_g, vc_e), lens
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (tensors on a device that "
+                    "is not the current one); the logic is also checked without a GPU in test_launch.py")
+def test_tensors_on_a_device_that_is_not_current():
+    """A model spread over two GPUs in one process (device_map="auto"): attention on cuda:1 while
+    cuda:0 is current equals the same call made with cuda:1 current (forward, backward, decoding),
+    and the current device is left as it was."""
+    from tritonattn import flash_attn_with_kvcache
+
+    torch.cuda.set_device(0)
+    q, k, v = random_qkv(2, 300, 300, 8, 2, 128, BF16, "cuda:1", requires_grad=False,
+                         generator=torch.Generator().manual_seed(5))
+    dout = torch.randn_like(q)
+    kc, vc = (torch.randn(2, 512, 2, 128, device="cuda:1", dtype=BF16) for _ in range(2))
+    lens = torch.tensor([100, 400], dtype=torch.int32, device="cuda:1")
+
+    def calls():
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        dec = flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens, causal=True)
+        return (out, *grads, dec)
+
+    for _ in range(2):  # the second time through the launch plans and cached kernels
+        other = calls()
+        torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        same = calls()
+        torch.cuda.synchronize()
+    for a, b in zip(other, same):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)

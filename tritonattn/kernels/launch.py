@@ -63,8 +63,22 @@ def _key(fn, grid, args: tuple, kwargs: dict) -> tuple:
 
 def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``: args are the runtime arguments in order, kwargs every
-    constexpr plus num_warps / num_stages."""
-    if not ENABLED or not args[0].is_cuda:  # CPU tensors: the interpreter
+    constexpr plus num_warps / num_stages. On the device of ``args[0]``, which Triton (launching on
+    the current device) would otherwise miss when it is not the current one."""
+    if not args[0].is_cuda:  # CPU tensors: the interpreter
+        fn[grid](*args, **kwargs)
+        return
+    index = args[0].device.index
+    if index != torch._C._cuda_getDevice():
+        with torch.cuda.device(index):
+            _launch_here(fn, grid, args, kwargs)
+    else:
+        _launch_here(fn, grid, args, kwargs)
+
+
+def _launch_here(fn, grid, args: tuple, kwargs: dict) -> None:
+    """:func:`launch` on the current device (the device of the arguments)."""
+    if not ENABLED:
         fn[grid](*args, **kwargs)
         return
     key = _key(fn, grid, args, kwargs)
@@ -80,7 +94,7 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> None:
             _cache.clear()
         _cache[key] = (kernel, tuple(kwargs[n] for n in names))
         return
-    run_cached(kernel, grid, args)
+    _run_here(kernel, grid, args, args[0].device.index)
 
 
 def cached(fn, grid, args: tuple, kwargs: dict):
@@ -92,11 +106,21 @@ def cached(fn, grid, args: tuple, kwargs: dict):
 
 
 def run_cached(entry, grid, args: tuple) -> None:
-    """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured)."""
+    """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured), on the device
+    of ``args[0]`` (the entry's kernel was loaded there: the cache key holds the device)."""
+    index = args[0].device.index
+    if index != torch._C._cuda_getDevice():
+        with torch.cuda.device(index):
+            _run_here(entry, grid, args, index)
+    else:
+        _run_here(entry, grid, args, index)
+
+
+def _run_here(entry, grid, args: tuple, index: int) -> None:
     kernel, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    stream = torch._C._cuda_getCurrentRawStream(index)
     hooks = triton.knobs.runtime
     enter = hooks.launch_enter_hook
     meta = None if enter is None else kernel.launch_metadata(grid, stream, *args, *tail)
