@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
     p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
-                   help="time only these candidates (default: the candidate list of configs.py)")
+                   help="time only these candidates, the same list for every mode given (for bwd_dkdv "
+                        "N is the key block a program owns); default: the candidate list of configs.py")
     p.add_argument("--atomic-dq", action="store_true",
                    help="tune the opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1)")
     args = p.parse_args(argv)

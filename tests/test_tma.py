@@ -31,12 +31,13 @@ def _bias(gen, dtype):
     return lambda: tritonattn.attention(q, k, v, bias=bias, causal=True), (q, k, v)
 
 
-def _varlen(gen, dtype):
-    cu_q = torch.tensor([0, 5, 5, 40], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 19, 22, 91], dtype=torch.int32, device=DEVICE)
-    q, k, v = _randn(gen, 40, 4, 32, dtype=dtype), _randn(gen, 91, 2, 32, dtype=dtype), \
-        _randn(gen, 91, 2, 32, dtype=dtype)
-    return lambda: tritonattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 35, 69, causal=True,
+def _varlen(gen, dtype, D=32, empty_keys=False):
+    """Sequence 2 has no query (or, with ``empty_keys``, 7 queries and no key: a descriptor over 0 rows)."""
+    cu_q = torch.tensor([0, 5, 12 if empty_keys else 5, 40], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 19, 19 if empty_keys else 22, 91], dtype=torch.int32, device=DEVICE)
+    q, k, v = _randn(gen, 40, 4, D, dtype=dtype), _randn(gen, 91, 2, D, dtype=dtype), \
+        _randn(gen, 91, 2, D, dtype=dtype)
+    return lambda: tritonattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 35, 72, causal=True,
                                                      return_attn_probs=True)[:2], (q, k, v)
 
 
@@ -56,6 +57,7 @@ CASES = {
     "dropout": lambda gen, dt: _dense(gen, dt, dropout_p=0.25, causal=True),
     "bias": _bias,
     "varlen": _varlen,
+    "varlen-empty-keys-D128": lambda gen, dt: _varlen(gen, dt, D=128, empty_keys=True),
     "kvcache-leftpad": _kvcache,
 }
 
@@ -92,6 +94,8 @@ def test_descriptor_path_only_where_the_layout_allows():
     assert not fwd._tma_ok(q, unaligned, kv, var)  # base not 16-byte aligned
     rows = torch.zeros(1, 8, 2 * 64 + 4, dtype=torch.float16, device=DEVICE)[..., :128].view(1, 8, 2, 64)
     assert not fwd._tma_ok(q, rows, rows, var)  # row stride 132 elements: not a multiple of 16 bytes
+    broadcast = torch.zeros(1, 1, 2, 64, dtype=torch.float16, device=DEVICE).expand(1, 8, 2, 64)
+    assert not fwd._tma_ok(q, broadcast, broadcast, var)  # row stride 0
     paged = Variants(softmax_scale=1.0)
     paged.block_table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     assert not fwd._tma_ok(q, kv, kv, paged)

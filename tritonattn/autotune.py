@@ -126,7 +126,9 @@ def tuned(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: dic
     """``default`` unless autotuning is on (and no config is forced)."""
     if mode in configs._override or not enabled(q):
         return default
-    return pick(make_key(mode, q, causal, Sq, Sk, flags), candidates(mode, q.shape[-1], Sq, Sk, default), run)
+    # timed on the tensors' device (do_bench's events and syncs are on the current one)
+    with torch.cuda.device(q.device):
+        return pick(make_key(mode, q, causal, Sq, Sk, flags), candidates(mode, q.shape[-1], Sq, Sk, default), run)
 
 
 def launch_tuned(mode: str, q: torch.Tensor, causal: bool, Sq: int, Sk: int, flags: dict, default: TileConfig,

@@ -1,5 +1,7 @@
 """FlashAttention-2 forward: online softmax in the exp2 domain, writes O and the LSE."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -155,6 +157,7 @@ def _fwd_kernel(
     p_v = V + off_bk * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
     k_desc = p_k  # placeholders unless TMA
     v_desc = p_v
+    tl.static_assert(not (TMA and PAGED), "paged keys are read row by row")
     if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and row strides)
         k_desc = tl.make_tensor_descriptor(K + off_bk * stride_kb + off_hk * stride_kh, shape=[Sk, HEAD_DIM],
                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
@@ -217,14 +220,23 @@ TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def _tma_ok(q, k, v, var: Variants) -> bool:
-    """Tensor descriptors can read K / V: 16-bit elements, a power-of-two head dim (no padded
-    columns), unit dim stride, 16-byte aligned base and row / head / batch strides, keys not paged."""
+    """Tensor descriptors can read K / V: an sm_90 GPU (the one measured; or the interpreter),
+    16-bit elements, a power-of-two head dim (no padded columns), unit dim stride, 16-byte aligned
+    base and row / head / batch strides, a row stride that is not 0 (no keys broadcast along the
+    sequence), keys not paged."""
     if q.element_size() != 2 or var.block_table is not None or q.shape[-1] != configs.padded_head_dim(q.shape[-1]):
+        return False
+    if q.is_cuda and not _hopper(q.device.index):
         return False
     for t in (k, v):
         st = t.stride()
-        if st[-1] != 1 or t.data_ptr() % 16 or any(x % 8 for x in st[:-1]):
+        if st[-1] != 1 or t.data_ptr() % 16 or any(x % 8 for x in st[:-1]) or st[-3] == 0:
             return False
     return True
 
@@ -270,7 +282,7 @@ def attention_forward(q, k, v, var: Variants):
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
-                 PRECISION=configs.dot_precision(q.dtype), TMA=tma, WS=WS and tma)
+                 PRECISION=configs.dot_precision(q.dtype), TMA=tma)
 
     def run(cfg):
         b.launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
@@ -279,7 +291,9 @@ def attention_forward(q, k, v, var: Variants):
             *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
             Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
         ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages))
+                num_stages=cfg.num_stages,
+                # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
+                WS=WS and tma and cfg.num_warps >= 8))
 
     autotune.launch_tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run)
     return b.finish((out, lse))
