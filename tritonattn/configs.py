@@ -80,7 +80,14 @@ _MEASURED = {
           "bwd_dkdv": (C(32, 128, 8, 2, 2), C(32, 128, 8, 2, 2)),
           "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
 }
-_FP32 = {16: C(32, 32, 4, 1), 32: C(32, 32, 4, 1), 64: C(32, 32, 4, 1), 128: C(32, 32, 8, 1), 256: C(32, 32, 8, 1)}
+
+
+def _fp32_warps(padded_d: int) -> int:
+    """Warps of every fp32 kernel (see above): 8 from D=128 on, where 4 spilled."""
+    return 8 if padded_d >= 128 else 4
+
+
+_FP32 = {d: C(32, 32, _fp32_warps(d), 1) for d in (16, 32, 64, 128, 256)}
 _SM90 = {
     mode: {
         **{(d, 2, causal): _MEASURED[max(d, 64)][mode][causal] for d in (16, 32, 64, 128, 256)
@@ -217,8 +224,8 @@ def decode_config(q: torch.Tensor) -> TileConfig:
         return _override["decode"]
     if not _on_device(q):
         return _DECODE_INTERP
-    if q.element_size() == 4:  # 8 warps from D=128 on, as _FP32 (4 spilled 160-256 bytes at D=128)
-        return _DECODE_FP32._replace(num_warps=8) if padded_head_dim(q.shape[-1]) >= 128 else _DECODE_FP32
+    if q.element_size() == 4:  # (4 warps spilled 160-256 bytes at D=128)
+        return _DECODE_FP32._replace(num_warps=_fp32_warps(padded_head_dim(q.shape[-1])))
     return _DECODE[(padded_head_dim(q.shape[-1]), 2)]
 
 
@@ -230,8 +237,8 @@ def tile_config(q: torch.Tensor) -> TileConfig:
     cfg = _TILE[q.element_size()]
     if padded_head_dim(q.shape[-1]) >= 256 and cfg.block_n > 32:  # D=256: 278528 bytes at 64 x 64
         cfg = cfg._replace(block_n=32)
-    if q.element_size() == 4 and padded_head_dim(q.shape[-1]) >= 128:  # as _FP32: 4 warps spilled 16 KB at D=256
-        cfg = cfg._replace(num_warps=8)
+    if q.element_size() == 4:  # (4 warps spilled 16 KB at D=256)
+        cfg = cfg._replace(num_warps=_fp32_warps(padded_head_dim(q.shape[-1])))
     return cfg
 
 

@@ -68,12 +68,16 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> None:
     if not args[0].is_cuda:  # CPU tensors: the interpreter
         fn[grid](*args, **kwargs)
         return
-    index = args[0].device.index
+    _on_device(args[0].device.index, _launch_here, fn, grid, args, kwargs)
+
+
+def _on_device(index: int, call, *call_args) -> None:
+    """``call(*call_args)`` with device ``index`` current (entered only when it is not already)."""
     if index != torch._C._cuda_getDevice():
         with torch.cuda.device(index):
-            _launch_here(fn, grid, args, kwargs)
+            call(*call_args)
     else:
-        _launch_here(fn, grid, args, kwargs)
+        call(*call_args)
 
 
 def _launch_here(fn, grid, args: tuple, kwargs: dict) -> None:
@@ -109,11 +113,7 @@ def run_cached(entry, grid, args: tuple) -> None:
     """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured), on the device
     of ``args[0]`` (the entry's kernel was loaded there: the cache key holds the device)."""
     index = args[0].device.index
-    if index != torch._C._cuda_getDevice():
-        with torch.cuda.device(index):
-            _run_here(entry, grid, args, index)
-    else:
-        _run_here(entry, grid, args, index)
+    _on_device(index, _run_here, entry, grid, args, index)
 
 
 def _run_here(entry, grid, args: tuple, index: int) -> None:
