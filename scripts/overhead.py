@@ -59,6 +59,8 @@ def main() -> int:
     cases = {
         "flash_attn_func fwd (no grad)": lambda: tritonattn.flash_attn_func(q, k, v, causal=True),
         "flash_attn_func fwd+bwd": fwd_bwd,
+        "flash_attn_func fwd (inputs require grad, no backward)": lambda: tritonattn.flash_attn_func(
+            qg, kg, vg, causal=True),
         "flash_attn_with_kvcache (Sq=1, int seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
             q1, kc, vc, cache_seqlens=1000),
         "flash_attn_with_kvcache (Sq=1, tensor seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
@@ -108,7 +110,7 @@ def main() -> int:
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
         for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
-                     "attention_backward launcher alone (no autograd)"):
+                     "attention_backward launcher alone (no autograd)", "flash_attn_func fwd+bwd"):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):
