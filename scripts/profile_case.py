@@ -4,6 +4,11 @@ kernel's own time. A call whose event time is far above its kernel time is host-
 between launches; a slow kernel shows in the per-kernel rows.
 
     python scripts/profile_case.py --seqlens 512 2048 --causal yes no      # llama shape, bf16
+
+``--only-tritonattn N`` runs N tritonattn forward+backward calls and nothing else: a target for
+Nsight Compute, e.g.
+    ncu --clock-control none --set full -k regex:_bwd_dkdv --launch-skip 1 --launch-count 1 \
+        python3 scripts/profile_case.py --seqlens 8192 --causal yes --only-tritonattn 2
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--only-tritonattn", type=int, default=0, metavar="N",
+                   help="only run N tritonattn forward+backward calls per shape (a target for ncu)")
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     B, (Hq, Hkv), D = args.batch, args.heads, args.head_dim
@@ -85,6 +92,12 @@ def main(argv=None) -> int:
             def tri_bwd():
                 torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
+            if args.only_tritonattn:
+                for _ in range(args.only_tritonattn):
+                    tri_fwd()
+                    tri_bwd()
+                torch.cuda.synchronize()
+                continue
             cases = [("tritonattn", "fwd", tri_fwd, 1.0), ("tritonattn", "bwd", tri_bwd, 2.5)]
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
                 def sdpa_fwd(backend=backend):
