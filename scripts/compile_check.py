@@ -89,13 +89,16 @@ def main(argv=None) -> int:
 
     # the table's sm90 configs, as on a CUDA device
     configs._on_device = lambda q: True
+    # the atomic-dQ path's TMA reductions (sm_90 only; TRITONATTN_ATOMIC_DQ_TMA=0 keeps per-element atomics)
+    from tritonattn.kernels import bwd
+    bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None):
+    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True):
         if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
             with configs.override(bwd_dkdv=dkdv):
-                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq)
+                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma)
         B, S, Hq, Hkv = 2, 256, 4, 2
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, S, Hq, D), (B, S, Hkv, D))
         if varlen:
@@ -114,10 +117,12 @@ def main(argv=None) -> int:
             return
         out, lse = attention_forward(q, k, v, var)
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
+        os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
             os.environ.pop("TRITONATTN_ATOMIC_DQ")
+            os.environ.pop("TRITONATTN_ATOMIC_DQ_TMA")
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -153,6 +158,10 @@ def main(argv=None) -> int:
                  dict(varlen=True, bias_grad=True)),
                 (f"atomic-dq-{dt}", 128, dtypes[dt], dict(base), dict(atomic_dq=True)),
                 (f"atomic-dq-full-{dt}", 64, dtypes[dt], {}, dict(atomic_dq=True)),
+                (f"atomic-dq-pointer-{dt}", 128, dtypes[dt], dict(base), dict(atomic_dq=True, dq_tma=False)),
+                (f"atomic-dq-varlen-{dt}", 128, dtypes[dt], dict(base), dict(atomic_dq=True, varlen=True)),
+                (f"atomic-dq-D96-bias-{dt}", 96, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)),
+                 dict(atomic_dq=True, bias_grad=True)),
                 (f"varlen-dropout-{dt}", 64, dtypes[dt], dict(win_left=32, dropout_p=0.1, seed=seed),
                  dict(varlen=True, probs=True)),
                 (f"kvcache-paged-{dt}", 128, dtypes[dt],

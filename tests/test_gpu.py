@@ -212,16 +212,45 @@ def test_fast_launch_path_matches_plain_path(poison):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("D", [64, 128, 256])
-def test_atomic_dq_on_gpu(D, causal, monkeypatch, poison):
-    """The opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1) at the table's configs, bf16."""
+@pytest.mark.parametrize("D,tma", [(64, True), (96, True), (128, True), (256, True), (128, False)],
+                         ids=["D64", "D96", "D128", "D256", "D128-pointer-atomics"])
+def test_atomic_dq_on_gpu(D, tma, causal, monkeypatch, poison):
+    """The opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1) at the table's configs, bf16: dQ tiles
+    added by TMA reductions (the default on sm_90; D=96 has padded columns the descriptor drops),
+    and by per-element atomics (TRITONATTN_ATOMIC_DQ_TMA=0)."""
+    from tritonattn.kernels import bwd
+
     monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ_TMA", "1" if tma else "0")
     torch.manual_seed(D)
     q, k, v = random_qkv(2, 2000, 2000, 8, 2, D, BF16, DEVICE)
+    assert bwd._dq_tma_ok(q) == (tma and torch.cuda.get_device_capability()[0] == 9)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
+
+
+def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
+    """TMA-reduced dQ over ragged sequences: each sequence's descriptor ends at its own length, so
+    no tile spills into the next sequence's rows (lengths not multiples of the tile, 0 and 1)."""
+    from tritonattn import flash_attn_varlen_func
+
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    torch.manual_seed(3)
+    lens = [700, 1, 0, 333, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total = sum(lens)
+    q = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k = torch.randn(total, 2, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    v = torch.randn(total, 2, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for a, z in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if z > a:
+            check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
+                                    tuple(g[a:z][None] for g in grads), dout[a:z][None], True)
 
 
 @pytest.mark.parametrize("cfg", [c for c in configs.CANDIDATES[256]["bwd_dkdv"] if c.d_split > 1],

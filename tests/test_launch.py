@@ -54,3 +54,31 @@ def test_launch_runs_on_the_tensors_device(monkeypatch, current, target, entry):
     # a context only when the tensors' device is not the current one, and the current one restored
     assert fake.entered == ([] if current == target else [target])
     assert fake.current == current
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_cached_launch_skips_empty_hook_chains_and_honours_real_hooks(monkeypatch, hooked):
+    """Triton's default hooks are empty chains: a cached launch passes None (no metadata built);
+    a profiler's hook added to a chain is still called with the launch's metadata."""
+    import triton
+
+    seen = []
+    chain_in, chain_out = triton.knobs.HookChain(), triton.knobs.HookChain(reversed=True)
+    if hooked:
+        chain_in.add(lambda meta: seen.append(("enter", meta)))
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain_in)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", chain_out)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    runs = []
+    kernel = SimpleNamespace(function=1, packed_metadata=2, launch_metadata=lambda grid, stream, *a: {"grid": grid},
+                             run=lambda *a: runs.append(a))
+    launch._run_here((kernel, (4,)), (3, 2), ("x", 5), 0)
+    (call,) = runs
+    assert call[:5] == (3, 2, 1, 7, 1) and call[-3:] == ("x", 5, 4)
+    meta, enter, exit_ = call[6:9]
+    if hooked:
+        assert meta == {"grid": (3, 2)} and enter is chain_in and exit_ is None
+        enter(meta)
+        assert seen == [("enter", meta)]
+    else:
+        assert meta is None and enter is None and exit_ is None

@@ -27,9 +27,10 @@ class TileConfig(NamedTuple):
     d_split: int = 1
 
 
-def env_flag(name: str) -> bool:
-    """An on/off environment switch: unset, "" and "0" are off, anything else on."""
-    return os.environ.get(name, "0") not in ("", "0")
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off environment switch: "" and "0" are off, anything else on; unset: ``default``."""
+    value = os.environ.get(name)
+    return default if value is None else value not in ("", "0")
 
 
 def interpreting() -> bool:
@@ -207,7 +208,18 @@ def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool)
     return cfg
 
 
-def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
+# The opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1): its dK/dV program also computes dS K, so
+# it has its own best tile; by head dim, bf16 / fp16 on the H200 (scripts/tune.py --atomic-dq, S=8192,
+# llama shape, 2026-11-30: (64, 128, 8, 3) for both causal and not). Other head dims take the table's.
+_ATOMIC_DKDV = {128: C(64, 128, 8, 3)}
+
+
+def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False,
+                         atomic_dq: bool = False) -> TileConfig:
+    d = padded_head_dim(q.shape[-1])
+    if atomic_dq and d in _ATOMIC_DKDV and q.element_size() == 2 and _on_device(q) and "bwd_dkdv" not in _override:
+        cfg = _ATOMIC_DKDV[d]
+        return cfg._replace(num_stages=2) if extra_smem else cfg
     return _backward_config("bwd_dkdv", q, causal, extra_smem)
 
 

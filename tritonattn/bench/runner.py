@@ -25,8 +25,14 @@ VARIANTS = {
     "tritonattn+softcap": dict(softcap=30.0),
     "tritonattn+alibi": dict(alibi_slopes="H"),
     "tritonattn+keypad": dict(key_padding_mask="BS"),
-    # the opt-in non-deterministic backward (TRITONATTN_ATOMIC_DQ=1 while this backend is measured)
+    # the opt-in non-deterministic backward (VARIANT_ENV set while these are measured): dQ tiles added
+    # by TMA reductions (sm_90), or by one atomic per element
     "tritonattn+atomic-dq": dict(),
+    "tritonattn+atomic-dq-pointer": dict(),
+}
+VARIANT_ENV = {
+    "tritonattn+atomic-dq": {"TRITONATTN_ATOMIC_DQ": "1"},
+    "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]
@@ -232,9 +238,9 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
     for backend in backends:
         base = dict(env, **{k: v for k, v in asdict(shape).items() if k != "dtype"},
                     dtype=DTYPE_NAMES[shape.dtype], shape=shape.label(), backend=backend)
-        saved_env = os.environ.get("TRITONATTN_ATOMIC_DQ")
-        if backend == "tritonattn+atomic-dq":
-            os.environ["TRITONATTN_ATOMIC_DQ"] = "1"
+        env_vars = VARIANT_ENV.get(backend, {})
+        saved_env = {name: os.environ.get(name) for name in env_vars}
+        os.environ.update(env_vars)
         try:
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -273,10 +279,11 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             for mode in modes:
                 rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None, note=msg))
         finally:
-            if saved_env is None:
-                os.environ.pop("TRITONATTN_ATOMIC_DQ", None)
-            else:
-                os.environ["TRITONATTN_ATOMIC_DQ"] = saved_env
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return rows
 
 

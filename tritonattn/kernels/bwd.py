@@ -25,6 +25,7 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
+from tritonattn.kernels.fwd import _hopper, _need_allocator
 from tritonattn.kernels.launch import cdiv, launch
 from tritonattn.kernels.variants import Variants
 
@@ -96,15 +97,17 @@ def _bwd_dkdv_inner(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
     Works on transposed scores (keys x queries) so that dV = P^T dO and dK = dS^T Q need no
     transpose of P. ATOMIC_DQ (opt-in, not deterministic): also add this key block's share of dQ,
     dS K, into the fp32 buffer at ``p_dqa`` with atomics, so the backward needs no dQ kernel (5
-    matrix products per tile instead of 7). D_SPLIT > 1: dK / dV hold only the head-dim columns
-    ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``); the scores still use all of D.
+    matrix products per tile instead of 7); with DQ_TMA the tile is added by one bulk TMA reduction
+    through the descriptor ``p_dqa`` (sm_90) instead of an atomic per element. D_SPLIT > 1: dK / dV
+    hold only the head-dim columns ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``);
+    the scores still use all of D.
     """
     d_ok = offs_d < HEAD_DIM
     da_ok = offs_da < HEAD_DIM
@@ -138,7 +141,11 @@ def _bwd_dkdv_inner(
         dk = mma(ds_lo, q_acc, dk, DOT_FP32, PRECISION)
         if ATOMIC_DQ:
             dq_part = mma(tl.trans(ds_lo), k, None, DOT_FP32, PRECISION)
-            tl.atomic_add(p_dqa + offs_m[:, None].to(tl.int64) * stride_dqam, dq_part, mask=qd_ok, sem="relaxed")
+            if DQ_TMA:  # rows past Sq and columns past HEAD_DIM fall outside the descriptor: dropped
+                p_dqa.atomic_add([tl.cast(start_m, tl.int32), 0], dq_part)
+            else:
+                tl.atomic_add(p_dqa + offs_m[:, None].to(tl.int64) * stride_dqam, dq_part, mask=qd_ok,
+                              sem="relaxed")
     return dk, dv
 
 
@@ -161,7 +168,7 @@ def _bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
-    BLOCK_DA: tl.constexpr,
+    BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
@@ -206,6 +213,9 @@ def _bwd_dkdv_kernel(
         p_lse = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_delta = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start
         p_dqa = DQA + off_b * stride_dqab + off_h * stride_dqah + offs_d[None, :] * stride_dqad
+        if DQ_TMA:  # (the host checked: sm_90, contiguous fp32 buffer, 16-byte aligned rows)
+            p_dqa = tl.make_tensor_descriptor(DQA + off_b * stride_dqab + off_h * stride_dqah, shape=[Sq, HEAD_DIM],
+                                              strides=[stride_dqam, 1], block_shape=[BLOCK_M, BLOCK_D])
         p_qa = Q + off_b * stride_qb + off_h * stride_qh + offs_da[None, :] * stride_qd
         p_doa = DO + off_b * stride_dob + off_h * stride_doh + offs_da[None, :] * stride_dod
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -220,7 +230,7 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -229,7 +239,7 @@ def _bwd_dkdv_kernel(
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -239,7 +249,7 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
 
     dk = dk * sm_scale
     out_mask = (offs_n[:, None] < Sk) & (offs_da[None, :] < HEAD_DIM)
@@ -582,6 +592,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
+    dq_tma = atomic_dq and _dq_tma_ok(q)
+    if dq_tma:
+        _need_allocator()
 
     def run_dkdv(cfg):
         if atomic_dq:
@@ -594,10 +607,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
         ), dict(
             **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split,
+            num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
         ))
 
-    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem)
+    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq)
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq)
     autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
 
@@ -618,6 +631,15 @@ def atomic_dq_enabled() -> bool:
     """TRITONATTN_ATOMIC_DQ=1: the opt-in, non-deterministic backward (dQ accumulated with atomics
     by the dK/dV kernel; no dQ kernel). Calls with ``deterministic=True`` keep the default path."""
     return configs.env_flag("TRITONATTN_ATOMIC_DQ")
+
+
+def _dq_tma_ok(q) -> bool:
+    """The atomic path adds each dQ tile with one TMA reduction (``cp.reduce.async.bulk``, as
+    FlashAttention-3 does) instead of an atomic per element: on an sm_90 GPU (the interpreter has
+    no descriptor reductions), unless TRITONATTN_ATOMIC_DQ_TMA=0. The fp32 buffer is q-shaped and
+    contiguous: rows and heads start 16-byte aligned when the head dim is a multiple of 4."""
+    return (q.is_cuda and _hopper(q.device.index) and q.shape[-1] % 4 == 0
+            and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True))
 
 
 def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, scales, flags, launch_fn):
