@@ -3,6 +3,9 @@ microseconds, called back to back; the wall time per call is then the host time.
 cProfile breakdown of the slowest entry point so the cost can be placed.
 
     python scripts/overhead.py            # table on stdout, profile under $OUT/overhead-profile.txt
+
+Each cell is the median of interleaved rounds (OVERHEAD_ROUNDS, default 7): the host's speed drifts
+within a run, so cells measured one after another are not comparable.
 """
 
 from __future__ import annotations
@@ -79,34 +82,59 @@ def main() -> int:
     o, lse = attention_forward(q, k, v, var)
     cases["attention_backward launcher alone (no autograd)"] = lambda: attention_backward(dout, q, k, v, o, lse, var)
     cases["attention_forward launcher alone"] = lambda: attention_forward(q, k, v, var)
-    print("| entry point | host time per call (us) |\n|---|---|")
-    for name, fn in cases.items():
-        print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+    import contextlib
+    import statistics
+
+    from tritonattn.kernels import launch, plan
+
+    @contextlib.contextmanager
+    def hook_chains_passed():
+        # as before 2026-11-30: Triton's empty hook chains passed to the launcher (metadata built)
+        real, launch._hook = launch._hook, (lambda h: h)
+        try:
+            yield
+        finally:
+            launch._hook = real
+
+    @contextlib.contextmanager
+    def plans_off():
+        # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
+        real, plan.replay = plan.replay, (lambda key, inputs, device: None)
+        try:
+            yield
+        finally:
+            plan.replay = real
+
+    settings = {"default": contextlib.nullcontext, "empty hook chains passed": hook_chains_passed,
+                "launch plans off": plans_off}
+    only = {"empty hook chains passed": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
+                                         "flash_attn_with_kvcache (Sq=1, int seqlens)",
+                                         "attention_backward launcher alone (no autograd)",
+                                         "attention_forward launcher alone"),
+            "launch plans off": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
+                                 "flash_attn_with_kvcache (Sq=1, int seqlens)", "attention_forward launcher alone")}
+    # interleaved rounds, median per cell: the host's speed drifts by 30% within a run (a case
+    # measured first, alone, read 65 us and 41 us a minute later), so every cell samples the
+    # whole run
+    rounds = int(os.environ.get("OVERHEAD_ROUNDS", "7"))
+    samples: dict = {}
+    for _ in range(rounds):
+        for setting, ctx in settings.items():
+            for name, fn in cases.items():
+                if setting in only and name not in only[setting]:
+                    continue
+                with ctx():
+                    samples.setdefault((name, setting), []).append(per_call_us(fn, n=200))
+    print(f"median of {rounds} interleaved rounds of 200 calls each\n")
+    print("| entry point | " + " | ".join(settings) + " |\n|---|" + "---|" * len(settings))
+    for name in cases:
+        cells = [f"{statistics.median(samples[name, st]):.1f}" if (name, st) in samples else "-" for st in settings]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     import triton
 
-    from tritonattn.kernels import launch
     hook = triton.knobs.runtime.launch_enter_hook
-    hook_name = None if hook is None else f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', hook)}"
-    print(f"\ncached launches: {len(launch._cache)}; Triton launch_enter_hook: {hook_name}")
-    # the same calls with the hook removed: what a process without it (a profiler, an image's
-    # instrumentation) pays
-    triton.knobs.runtime.launch_enter_hook = None
-    exit_hook, triton.knobs.runtime.launch_exit_hook = triton.knobs.runtime.launch_exit_hook, None
-    print("\n| entry point, no launch hooks | host time per call (us) |\n|---|---|")
-    for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
-                 "attention_forward launcher alone", "torch SDPA flash fwd (peer)"):
-        print(f"| {name} | {per_call_us(cases[name]):.1f} |", flush=True)
-    triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook = hook, exit_hook
-    # launch plans (kernels/plan.py) off: every call takes the launchers' full path, as before them
-    from tritonattn.kernels import plan
-
-    print(f"\nlaunch plans kept: {len(plan._plans)}, calls replayed: {plan.hits}")
-    real_replay, plan.replay = plan.replay, (lambda key, inputs, device: None)
-    print("\n| entry point, launch plans off | host time per call (us) |\n|---|---|")
-    for name in ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd", "flash_attn_with_kvcache (Sq=1, int seqlens)",
-                 "attention_forward launcher alone"):
-        print(f"| {name} | {per_call_us(cases[name]):.1f} |", flush=True)
-    plan.replay = real_replay
+    print(f"\ncached launches: {len(launch._cache)}; Triton launch_enter_hook: {type(hook).__name__} "
+          f"with {len(getattr(hook, 'calls', []))} hook(s); launch plans kept: {len(plan._plans)}")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "overhead-profile.txt"), "w") as f:
         for name in ("flash_attn_func fwd (no grad)", "flash_attn_with_kvcache (Sq=1, int seqlens)",
