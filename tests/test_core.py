@@ -183,3 +183,46 @@ def test_empty_key_sequence():
 def test_version_and_exports():
     assert tritonattn.__version__
     assert set(tritonattn.__all__) >= {"flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"}
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(24, 0)), dict(causal=True, varlen=True)],
+                         ids=["causal", "window-right-edge", "varlen-causal"])
+def test_heads_first_program_order_changes_nothing(kw, monkeypatch, poison):
+    """configs.HEADS_FIRST (TRITONATTN_HEADS_FIRST=1) only reorders the programs of the forward,
+    dQ and dK/dV kernels under a causal mask / right window edge: each program computes what it
+    did, so outputs and gradients are bitwise those of the default order, and match the reference."""
+    from tritonattn import configs
+    from tritonattn.kernels import launch as launch_mod
+    from tritonattn.kernels import plan
+
+    kw = dict(kw)
+    varlen = kw.pop("varlen", False)
+    torch.manual_seed(5)
+    q, k, v = random_qkv(2, 97, 131, 4, 2, 32, F32, DEVICE)
+    dout = torch.randn_like(q)
+
+    def run():
+        if varlen:  # two sequences of each batch row's length, packed
+            cu_q = torch.tensor([0, 97, 194], dtype=torch.int32, device=DEVICE)
+            cu_k = torch.tensor([0, 131, 262], dtype=torch.int32, device=DEVICE)
+            out = tritonattn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                                    97, 131, **kw).view_as(q)
+        else:
+            out = flash_attn_func(q, k, v, **kw)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    base = run()
+    monkeypatch.setattr(configs, "HEADS_FIRST", True)
+    plan.clear()
+    grids = {}
+    real = launch_mod.launch
+    monkeypatch.setattr(launch_mod, "launch", lambda fn, grid, *a: grids.setdefault(fn.__name__, grid) and None
+                        or real(fn, grid, *a))
+    swapped = run()
+    # heads first: batch x query heads (8) or x kv heads (4) on the grid's first axis
+    assert grids["_fwd_kernel"][0] == grids["_bwd_dq_kernel"][0] == 8 and grids["_bwd_dkdv_kernel"][0] == 4, grids
+    for a, b in zip(base, swapped):
+        assert torch.equal(a, b)
+    if not varlen:
+        check_against_reference(q, k, v, swapped[0], None, swapped[1:], dout, kw.get("causal", False),
+                                window_size=kw.get("window_size", (-1, -1)))

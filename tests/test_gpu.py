@@ -235,8 +235,10 @@ def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
     """TMA-reduced dQ over ragged sequences: each sequence's descriptor ends at its own length, so
     no tile spills into the next sequence's rows (lengths not multiples of the tile, 0 and 1)."""
     from tritonattn import flash_attn_varlen_func
+    from tritonattn.kernels import bwd
 
     monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ_TMA", "1")
     torch.manual_seed(3)
     lens = [700, 1, 0, 333, 129]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
@@ -244,6 +246,7 @@ def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
     q = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
     k = torch.randn(total, 2, 128, device=DEVICE, dtype=BF16, requires_grad=True)
     v = torch.randn(total, 2, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    assert bwd._dq_tma_ok(q) == (torch.cuda.get_device_capability()[0] == 9)
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -251,6 +254,34 @@ def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
         if z > a:
             check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
                                     tuple(g[a:z][None] for g in grads), dout[a:z][None], True)
+
+
+def test_tma_reduction_stays_inside_its_descriptor():
+    """The atomic-dQ path relies on a descriptor's atomic_add dropping the parts of a tile outside
+    the descriptor's shape (rows past a sequence's end, padded head-dim columns). Its kernel tiles
+    add exact zeros there, so the attention tests cannot see a wrong bound; this adds ones and
+    checks every element outside the box's in-bounds part is untouched."""
+    import triton
+    import triton.language as tl
+
+    from tritonattn.kernels.fwd import _need_allocator
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA reductions: sm_90")
+
+    @triton.jit
+    def add_ones(X, rows, row_stride, start, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        desc = tl.make_tensor_descriptor(X + tl.program_id(0) * HEAD_DIM, shape=[rows, HEAD_DIM],
+                                         strides=[row_stride, 1], block_shape=[BLOCK_M, BLOCK_D])
+        desc.atomic_add([start, 0], tl.full([BLOCK_M, BLOCK_D], 1.0, tl.float32))
+
+    _need_allocator()
+    heads, D, rows, total = 3, 96, 70, 100
+    x = torch.zeros(total, heads, D, device=DEVICE)  # (rows, heads, D) as dQ's buffer; 30 rows beyond
+    add_ones[(heads,)](x, rows, heads * D, 32, HEAD_DIM=D, BLOCK_M=64, BLOCK_D=128)
+    expect = torch.zeros_like(x)
+    expect[32:rows] = 1.0  # rows 32..69 of every head, all 96 columns; nothing past row 70 or column 96
+    assert torch.equal(x, expect)
 
 
 @pytest.mark.parametrize("cfg", [c for c in configs.CANDIDATES[256]["bwd_dkdv"] if c.d_split > 1],
@@ -361,3 +392,25 @@ def test_tensors_on_a_device_that_is_not_current():
         torch.cuda.synchronize()
     for a, b in zip(other, same):
         assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+
+
+def test_heads_first_order_on_gpu(monkeypatch, poison):
+    """Heads-first program order (configs.HEADS_FIRST) at the table's causal configs, bf16 GQA:
+    bitwise the default order's outputs and gradients, and within the reference's tolerance."""
+    from tritonattn.kernels import plan
+
+    torch.manual_seed(11)
+    q, k, v = random_qkv(2, 1500, 1700, 8, 2, 128, BF16, DEVICE)
+    dout = torch.randn_like(q)
+
+    def run():
+        out = flash_attn_func(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    base = run()
+    monkeypatch.setattr(configs, "HEADS_FIRST", True)
+    plan.clear()
+    swapped = run()
+    for a, b in zip(base, swapped):
+        assert torch.equal(a, b)
+    check_against_reference(q, k, v, swapped[0], None, swapped[1:], dout, True)

@@ -56,7 +56,7 @@ def test_launch_runs_on_the_tensors_device(monkeypatch, current, target, entry):
     assert fake.current == current
 
 
-@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("hooked", [False, True, "exit-only"])
 def test_cached_launch_skips_empty_hook_chains_and_honours_real_hooks(monkeypatch, hooked):
     """Triton's default hooks are empty chains: a cached launch passes None (no metadata built);
     a profiler's hook added to a chain is still called with the launch's metadata."""
@@ -64,8 +64,10 @@ def test_cached_launch_skips_empty_hook_chains_and_honours_real_hooks(monkeypatc
 
     seen = []
     chain_in, chain_out = triton.knobs.HookChain(), triton.knobs.HookChain(reversed=True)
-    if hooked:
+    if hooked is True:
         chain_in.add(lambda meta: seen.append(("enter", meta)))
+    elif hooked == "exit-only":
+        chain_out.add(lambda meta: seen.append(("exit", meta)))
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain_in)
     monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", chain_out)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
@@ -76,9 +78,13 @@ def test_cached_launch_skips_empty_hook_chains_and_honours_real_hooks(monkeypatc
     (call,) = runs
     assert call[:5] == (3, 2, 1, 7, 1) and call[-3:] == ("x", 5, 4)
     meta, enter, exit_ = call[6:9]
-    if hooked:
+    if hooked is True:
         assert meta == {"grid": (3, 2)} and enter is chain_in and exit_ is None
         enter(meta)
         assert seen == [("enter", meta)]
+    elif hooked == "exit-only":  # the exit hook still gets the metadata
+        assert meta == {"grid": (3, 2)} and enter is None and exit_ is chain_out
+        exit_(meta)
+        assert seen == [("exit", meta)]
     else:
         assert meta is None and enter is None and exit_ is None

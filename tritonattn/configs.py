@@ -58,6 +58,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 C = TileConfig
+
+# Program order of the forward, dQ and dK/dV kernels under a causal mask (or a window's right
+# edge): heads first (every head's heaviest block before any head's next one) when on.
+# TRITONATTN_HEADS_FIRST=1; read once here (tests and the benchmark set the attribute).
+HEADS_FIRST = env_flag("TRITONATTN_HEADS_FIRST")
 # mode -> {(padded head dim, element bytes, causal): config}. Modes: fwd, bwd_dkdv, bwd_dq.
 # bf16 / fp16 (element bytes 2): the fastest candidate of scripts/tune.py on the H200, S=8192, bf16
 # (llama shape at D=128, 16k tokens x hidden 2048 at D=64 / 256), 2026-11-29; figures in
@@ -209,8 +214,10 @@ def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool)
 
 
 # The opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1): its dK/dV program also computes dS K, so
-# it has its own best tile; by head dim, bf16 / fp16 on the H200 (scripts/tune.py --atomic-dq, S=8192,
-# llama shape, 2026-11-30: (64, 128, 8, 3) for both causal and not). Other head dims take the table's.
+# it has its own best tile; by padded head dim, bf16 / fp16 (scripts/tune.py --atomic-dq on the H200,
+# S=8192, llama shape: (64, 128, 8, 3) was fastest, causal and not, both with per-element atomics and
+# with TMA reductions, 2026-11-30). Head dims padded to 128 (65-128) use it too, unmeasured; on a
+# shared-memory overflow configs.fit shrinks it. Other head dims take the table's dK/dV entry.
 _ATOMIC_DKDV = {128: C(64, 128, 8, 3)}
 
 

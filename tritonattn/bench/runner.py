@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tritonattn import configs
+
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
 # tritonattn with one variant on: their cost is reported as a ratio to plain tritonattn (same FLOPs counted)
@@ -29,9 +31,11 @@ VARIANTS = {
     # by TMA reductions (sm_90), or by one atomic per element
     "tritonattn+atomic-dq": dict(),
     "tritonattn+atomic-dq-pointer": dict(),
+    # heads-first program order under a causal mask (configs.HEADS_FIRST set while measured)
+    "tritonattn+heads-first": dict(),
 }
 VARIANT_ENV = {
-    "tritonattn+atomic-dq": {"TRITONATTN_ATOMIC_DQ": "1"},
+    "tritonattn+atomic-dq": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "1"},
     "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
@@ -241,6 +245,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
         env_vars = VARIANT_ENV.get(backend, {})
         saved_env = {name: os.environ.get(name) for name in env_vars}
         os.environ.update(env_vars)
+        saved_heads_first = configs.HEADS_FIRST
+        configs.HEADS_FIRST = backend == "tritonattn+heads-first" or saved_heads_first
         try:
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -279,6 +285,7 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             for mode in modes:
                 rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None, note=msg))
         finally:
+            configs.HEADS_FIRST = saved_heads_first
             for name, value in saved_env.items():
                 if value is None:
                     os.environ.pop(name, None)

@@ -20,6 +20,7 @@ from tritonattn.kernels.common import (
     head_setup,
     key_range,
     mma,
+    program_order,
     query_range,
     scores_log2,
     seq_bounds,
@@ -168,13 +169,14 @@ def _bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
-    BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr,
+    BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
-    pid_n = tl.program_id(0) // D_SPLIT
-    d_part = tl.program_id(0) % D_SPLIT
-    off_bhk = tl.program_id(1).to(tl.int64)
+    pid, _, bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
+    pid_n = pid // D_SPLIT
+    d_part = pid % D_SPLIT
+    off_bhk = bh.to(tl.int64)
     off_b = off_bhk // Hkv
     off_hk = off_bhk % Hkv
 
@@ -312,10 +314,11 @@ def _bwd_dq_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if WIN_RIGHT else tl.program_id(0)
-    off_bh = tl.program_id(1).to(tl.int64)
+    pid, n_pid, bh = program_order(HEADS_FIRST)
+    pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
+    off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
     off_hk = off_h // GROUP
@@ -556,6 +559,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
+               configs.HEADS_FIRST,
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
@@ -576,7 +580,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     block_d = configs.padded_head_dim(D)
     strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
     var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
-    flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q))
+    flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q),
+                 HEADS_FIRST=configs.HEADS_FIRST and var.win_right is not None)
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
     # delta shares lse's strides (the kernels index both with them)
@@ -601,7 +606,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             dqa.zero_()  # a rerun (autotuning) must not add dQ twice
         # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
         d_split = 1 if atomic_dq else max(1, min(cfg.d_split, block_d // 16))
-        b.launch(_bwd_dkdv_kernel, (cdiv(Sk, cfg.block_n) * d_split, B * Hkv), (
+        blocks = cdiv(Sk, cfg.block_n) * d_split
+        b.launch(_bwd_dkdv_kernel, (B * Hkv, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hkv), (
             q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
             *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
             Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
@@ -611,7 +617,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         ))
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq)
-    dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq)
+    dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
     autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
 
     if atomic_dq:
@@ -638,7 +644,7 @@ def _dq_tma_ok(q) -> bool:
     FlashAttention-3 does) instead of an atomic per element: on an sm_90 GPU (the interpreter has
     no descriptor reductions), unless TRITONATTN_ATOMIC_DQ_TMA=0. The fp32 buffer is q-shaped and
     contiguous: rows and heads start 16-byte aligned when the head dim is a multiple of 4."""
-    return (q.is_cuda and _hopper(q.device.index) and q.shape[-1] % 4 == 0
+    return (q.is_cuda and not configs.interpreting() and _hopper(q.device.index) and q.shape[-1] % 4 == 0
             and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True))
 
 
@@ -646,7 +652,8 @@ def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, sc
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
 
     def run(cfg):
-        launch_fn(_bwd_dq_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
+        blocks = cdiv(Sq, cfg.block_m)
+        launch_fn(_bwd_dq_kernel, (B * Hq, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hq), (
             q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
             Hq, Hq // Hkv, Sq, Sk, *scales,
         ), dict(

@@ -9,7 +9,17 @@ from triton.runtime import _allocation
 
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
-from tritonattn.kernels.common import LN2, dropout_keep, head_setup, in_bounds, key_range, mma, scores_log2, seq_bounds
+from tritonattn.kernels.common import (
+    LN2,
+    dropout_keep,
+    head_setup,
+    in_bounds,
+    key_range,
+    mma,
+    program_order,
+    scores_log2,
+    seq_bounds,
+)
 from tritonattn.kernels.launch import cdiv
 from tritonattn.kernels.variants import Variants
 
@@ -113,10 +123,12 @@ def _fwd_kernel(
     SCALE_POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     # causal: the last query blocks have the most keys; launch them first for a better tail
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if WIN_RIGHT else tl.program_id(0)
-    off_bh = tl.program_id(1).to(tl.int64)
+    pid, n_pid, bh = program_order(HEADS_FIRST)
+    pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
+    off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
     off_hk = off_h // GROUP
@@ -220,7 +232,7 @@ TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
@@ -266,8 +278,9 @@ def attention_forward(q, k, v, var: Variants):
     tma = TMA and _tma_ok(q, k, v, var)
     if tma:
         _need_allocator()
+    heads_first = configs.HEADS_FIRST and var.win_right is not None
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS)
+           tma, WS, heads_first)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
@@ -285,7 +298,8 @@ def attention_forward(q, k, v, var: Variants):
                  PRECISION=configs.dot_precision(q.dtype), TMA=tma)
 
     def run(cfg):
-        b.launch(_fwd_kernel, (cdiv(Sq, cfg.block_m), B * Hq), (
+        blocks = cdiv(Sq, cfg.block_m)
+        b.launch(_fwd_kernel, (B * Hq, blocks) if heads_first else (blocks, B * Hq), (
             q, k, v, out, lse,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
             *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
@@ -293,7 +307,7 @@ def attention_forward(q, k, v, var: Variants):
         ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
                 # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
-                WS=WS and tma and cfg.num_warps >= 8))
+                WS=WS and tma and cfg.num_warps >= 8, HEADS_FIRST=heads_first))
 
     autotune.launch_tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run)
     return b.finish((out, lse))
