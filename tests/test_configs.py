@@ -66,3 +66,26 @@ def test_launch_cache_key_of_arguments():
     assert key == tuple(map(_key_of, args))
     assert key[:6] == ((torch.float32, True), (torch.float32, False), (torch.float16, True), 16, 1, 7)
     assert key[6:] == (float, None, bool)
+
+
+def test_heads_first_rule(monkeypatch):
+    """Heads-first program order: only for banded (causal / right-window) calls, forced by
+    configs.HEADS_FIRST when set, else on a GPU when K and V of every head fit in L2."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(configs, "_l2_bytes", lambda index: 50 * 2**20)
+
+    def k_of(numel, elem=2, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, numel=lambda: numel, element_size=lambda: elem,
+                               device=SimpleNamespace(index=0))
+
+    llama_2048 = 4 * 2048 * 8 * 128  # B=4, S=2048, Hkv=8, D=128: K + V = 32 MiB in bf16
+    monkeypatch.setattr(configs, "HEADS_FIRST", None)
+    assert configs.heads_first(True, k_of(llama_2048))
+    assert not configs.heads_first(True, k_of(4 * llama_2048))  # S=8192: 128 MiB
+    assert not configs.heads_first(False, k_of(llama_2048))  # no band: every block the same work
+    assert not configs.heads_first(True, k_of(llama_2048, cuda=False))
+    monkeypatch.setattr(configs, "HEADS_FIRST", True)
+    assert configs.heads_first(True, k_of(4 * llama_2048)) and not configs.heads_first(False, k_of(1))
+    monkeypatch.setattr(configs, "HEADS_FIRST", False)
+    assert not configs.heads_first(True, k_of(llama_2048))

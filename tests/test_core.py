@@ -211,6 +211,8 @@ def test_heads_first_program_order_changes_nothing(kw, monkeypatch, poison):
             out = flash_attn_func(q, k, v, **kw)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
+    monkeypatch.setattr(configs, "HEADS_FIRST", False)
+    plan.clear()
     base = run()
     monkeypatch.setattr(configs, "HEADS_FIRST", True)
     plan.clear()

@@ -407,6 +407,8 @@ def test_heads_first_order_on_gpu(monkeypatch, poison):
         out = flash_attn_func(q, k, v, causal=True)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
+    monkeypatch.setattr(configs, "HEADS_FIRST", False)
+    plan.clear()
     base = run()
     monkeypatch.setattr(configs, "HEADS_FIRST", True)
     plan.clear()

@@ -7,6 +7,7 @@ only compilation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from contextlib import contextmanager
@@ -60,9 +61,29 @@ def dot_precision(dtype: torch.dtype) -> str:
 C = TileConfig
 
 # Program order of the forward, dQ and dK/dV kernels under a causal mask (or a window's right
-# edge): heads first (every head's heaviest block before any head's next one) when on.
-# TRITONATTN_HEADS_FIRST=1; read once here (tests and the benchmark set the attribute).
-HEADS_FIRST = env_flag("TRITONATTN_HEADS_FIRST")
+# edge): heads first (every head's heaviest block before any head's next one) or blocks first
+# (one head's blocks, then the next head's). None: chosen per call by heads_first(); True / False:
+# forced (TRITONATTN_HEADS_FIRST=1 / 0, read once here; the tests and the benchmark set it).
+_hf = os.environ.get("TRITONATTN_HEADS_FIRST")
+HEADS_FIRST: bool | None = None if _hf is None else _hf not in ("", "0")
+
+
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def heads_first(banded: bool, k: torch.Tensor) -> bool:
+    """Heads-first program order for a call whose blocks differ in work (``banded``: a causal mask
+    or a window's right edge), when K and V of every head fit in the GPU's L2 cache: measured on
+    the H200 (llama bf16 causal, 2026-11-30, benchmarks/NOTES.md), heads first took 5-18% off the
+    backward and 1-5% off the forward while K / V fit in the 50 MB L2 (B=4 S<=2048, B=1 S=8192), and
+    cost 2-6% once they did not (every head's K / V streamed at once). Off on CPU tensors."""
+    if not banded:
+        return False
+    if HEADS_FIRST is not None:
+        return HEADS_FIRST
+    return k.is_cuda and 2 * k.numel() * k.element_size() <= _l2_bytes(k.device.index)
 # mode -> {(padded head dim, element bytes, causal): config}. Modes: fwd, bwd_dkdv, bwd_dq.
 # bf16 / fp16 (element bytes 2): the fastest candidate of scripts/tune.py on the H200, S=8192, bf16
 # (llama shape at D=128, 16k tokens x hidden 2048 at D=64 / 256), 2026-11-29; figures in

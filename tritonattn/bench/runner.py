@@ -31,7 +31,8 @@ VARIANTS = {
     # by TMA reductions (sm_90), or by one atomic per element
     "tritonattn+atomic-dq": dict(),
     "tritonattn+atomic-dq-pointer": dict(),
-    # heads-first program order under a causal mask (configs.HEADS_FIRST set while measured)
+    # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
+    # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
 }
 VARIANT_ENV = {
@@ -246,7 +247,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
         saved_env = {name: os.environ.get(name) for name in env_vars}
         os.environ.update(env_vars)
         saved_heads_first = configs.HEADS_FIRST
-        configs.HEADS_FIRST = backend == "tritonattn+heads-first" or saved_heads_first
+        if backend == "tritonattn+heads-first":
+            configs.HEADS_FIRST = True
         try:
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -559,7 +559,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST,
+               configs.HEADS_FIRST,  # (the rest of heads_first's inputs are in the key)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
@@ -581,7 +581,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
     var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
     flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q),
-                 HEADS_FIRST=configs.HEADS_FIRST and var.win_right is not None)
+                 HEADS_FIRST=configs.heads_first(var.win_right is not None, k))
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
     # delta shares lse's strides (the kernels index both with them)

@@ -278,7 +278,7 @@ def attention_forward(q, k, v, var: Variants):
     tma = TMA and _tma_ok(q, k, v, var)
     if tma:
         _need_allocator()
-    heads_first = configs.HEADS_FIRST and var.win_right is not None
+    heads_first = configs.heads_first(var.win_right is not None, k)
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
            tma, WS, heads_first)
     res = plan.replay(key, inputs, q.device)
