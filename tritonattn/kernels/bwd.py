@@ -306,6 +306,7 @@ def _bwd_dq_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    O, stride_ob, stride_om, stride_oh, stride_od,
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
@@ -314,8 +315,11 @@ def _bwd_dq_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DELTA_HERE: tl.constexpr,
 ):
+    """dQ of one query block of one head. DELTA_HERE: also compute this block's delta = rowsum(dO * O)
+    from O and store it (the dK/dV kernel, launched after, reads it): no preprocess kernel. Each
+    (query block, head) has exactly one program, so each delta is written once."""
     pid, n_pid, bh = program_order(HEADS_FIRST)
     pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
     off_bh = bh.to(tl.int64)
@@ -346,7 +350,13 @@ def _bwd_dq_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows_m * stride_dom + offs_d[None, :] * stride_dod,
                  mask=qd_mask, other=0.0)
     lse2 = _load_lse2(LSE, offs_m, m_ok)
-    delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+    if DELTA_HERE:
+        o = tl.load(O + q_start * stride_om + off_b * stride_ob + off_h * stride_oh + rows_m * stride_om
+                    + offs_d[None, :] * stride_od, mask=qd_mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + offs_m, delta, mask=m_ok)
+    else:
+        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -587,13 +597,16 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     # delta shares lse's strides (the kernels index both with them)
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
         b.unplanned(torch.empty_like(lse))
-    cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
-    pre = configs.preprocess_config(q)
-    b.launch(_bwd_preprocess_kernel, (cdiv(Sq, pre.block_m), B * Hq), (
-        out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
-    ), dict(
-        IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
-    ))
+    if atomic_dq:  # no dQ kernel to compute delta on its way (below): a pass of its own
+        cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
+        pre = configs.preprocess_config(q)
+        b.launch(_bwd_preprocess_kernel, (cdiv(Sq, pre.block_m), B * Hq), (
+            out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
+        ), dict(
+            IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
+        ))
+    else:  # dQ first: its programs compute delta (rowsum(dO * O)) for the dK/dV kernel
+        _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch)
 
     # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
@@ -622,8 +635,6 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
-    else:
-        _launch_dq(q, k, v, do, lse, delta, dq, var, strides, var_args, scales, flags, b.launch)
     if key is not None:
         return (*b.finish((dq, dk, dv)), None)
 
@@ -648,20 +659,22 @@ def _dq_tma_ok(q) -> bool:
             and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True))
 
 
-def _launch_dq(q, k, v, do, lse, delta, dq, var: Variants, strides, var_args, scales, flags, launch_fn):
+def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_args, scales, flags, launch_fn):
+    """The dQ kernel; it also writes ``delta`` (rowsum(dO * O)), which the dK/dV kernel reads."""
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+    dq_flags = dict(flags, DELTA_HERE=True)
 
     def run(cfg):
         blocks = cdiv(Sq, cfg.block_m)
         launch_fn(_bwd_dq_kernel, (B * Hq, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hq), (
-            q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), *var_args,
+            q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), out, *var.bshd_strides(out), *var_args,
             Hq, Hq // Hkv, Sq, Sk, *scales,
         ), dict(
-            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **dq_flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
 
     cfg = configs.backward_dq_config(q, var.causal, var.extra_smem)
-    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
+    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, dq_flags, cfg, run)
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):
