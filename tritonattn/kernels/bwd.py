@@ -1,5 +1,8 @@
-"""FlashAttention-2 backward: delta preprocess, a dK/dV kernel, a dQ kernel, and (for a bias
-that requires grad) a dBias kernel; plus the probability kernel behind ``return_attn_probs``.
+"""FlashAttention-2 backward: a dQ kernel that also computes delta = rowsum(dO * O), then a dK/dV
+kernel that reads it, and (for a bias that requires grad) a dBias kernel; plus the probability
+kernel behind ``return_attn_probs``. (The opt-in atomic-dQ path: a delta preprocess kernel, then a
+dK/dV kernel that also adds dQ.) Under a causal mask the programs may start heads first
+(``configs.heads_first``).
 
 No atomics: each program owns the rows of the gradient it writes, so reruns are bitwise equal.
 The dK/dV program of a kv head walks the query heads of its GQA group itself, so dK/dV sum over
