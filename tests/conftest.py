@@ -115,6 +115,43 @@ def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scal
         check_close(name, g, r, p, k=3, magnitude=magnitude)
 
 
+def check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu_seqlens, causal):
+    """Packed variable-length results (one ``cu_seqlens`` for queries and keys): each non-empty
+    sequence against the reference on that sequence alone."""
+    for a, z in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        if z > a:
+            check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
+                                    tuple(g[a:z][None] for g in grads), dout[a:z][None], causal)
+
+
+def in_both_program_orders(monkeypatch, run):
+    """``run()`` (a tuple of tensors) in the blocks-first program order, then heads first
+    (configs.HEADS_FIRST; launch plans cleared before each, so the launchers really launch).
+    Asserts the results are bitwise equal; returns (heads-first results, the grid each kernel was
+    launched with heads first, by kernel name)."""
+    from tritonattn import configs
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(configs, "HEADS_FIRST", False)
+    plan.clear()
+    base = run()
+    monkeypatch.setattr(configs, "HEADS_FIRST", True)
+    plan.clear()
+    grids, real = {}, launch.launch
+
+    def record(fn, grid, *args):
+        grids.setdefault(fn.__name__, grid)
+        real(fn, grid, *args)
+
+    monkeypatch.setattr(launch, "launch", record)
+    swapped = run()
+    monkeypatch.setattr(launch, "launch", real)
+    assert len(base) == len(swapped)
+    for a, b in zip(base, swapped):
+        assert torch.equal(a, b)
+    return swapped, grids
+
+
 def pytest_runtest_logreport(report):
     """With TRITONATTN_FAILURE_LOG set (scripts/gpu_check.sh sets it), append each failure's
     traceback to that file as it happens: a run stopped by a wall-clock limit then still says why

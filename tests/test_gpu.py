@@ -6,7 +6,7 @@ other files also run on the GPU when one is present.
 
 import pytest
 import torch
-from conftest import DEVICE, case_id, check_against_reference
+from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
 
 from tritonattn import configs, flash_attn_func
 from tritonattn.testing import random_qkv
@@ -138,10 +138,7 @@ def test_varlen_on_gpu(causal, poison):
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    for a, z in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if z > a:
-            check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
-                                    tuple(g[a:z][None] for g in grads), dout[a:z][None], causal)
+    check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, causal)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
@@ -250,10 +247,7 @@ def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    for a, z in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if z > a:
-            check_against_reference(q[a:z][None], k[a:z][None], v[a:z][None], out[a:z][None], lse[:, a:z][None],
-                                    tuple(g[a:z][None] for g in grads), dout[a:z][None], True)
+    check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, True)
 
 
 def test_tma_reduction_stays_inside_its_descriptor():
@@ -397,8 +391,6 @@ def test_tensors_on_a_device_that_is_not_current():
 def test_heads_first_order_on_gpu(monkeypatch, poison):
     """Heads-first program order (configs.HEADS_FIRST) at the table's causal configs, bf16 GQA:
     bitwise the default order's outputs and gradients, and within the reference's tolerance."""
-    from tritonattn.kernels import plan
-
     torch.manual_seed(11)
     q, k, v = random_qkv(2, 1500, 1700, 8, 2, 128, BF16, DEVICE)
     dout = torch.randn_like(q)
@@ -407,12 +399,6 @@ def test_heads_first_order_on_gpu(monkeypatch, poison):
         out = flash_attn_func(q, k, v, causal=True)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    monkeypatch.setattr(configs, "HEADS_FIRST", False)
-    plan.clear()
-    base = run()
-    monkeypatch.setattr(configs, "HEADS_FIRST", True)
-    plan.clear()
-    swapped = run()
-    for a, b in zip(base, swapped):
-        assert torch.equal(a, b)
+    swapped, grids = in_both_program_orders(monkeypatch, run)
+    assert grids["_fwd_kernel"][0] == grids["_bwd_dq_kernel"][0] == 16 and grids["_bwd_dkdv_kernel"][0] == 4, grids
     check_against_reference(q, k, v, swapped[0], None, swapped[1:], dout, True)
