@@ -81,11 +81,14 @@ def test_heads_first_rule(monkeypatch):
 
     llama_2048 = 4 * 2048 * 8 * 128  # B=4, S=2048, Hkv=8, D=128: K + V = 32 MiB in bf16
     monkeypatch.setattr(configs, "HEADS_FIRST", None)
-    assert configs.heads_first(True, k_of(llama_2048))
-    assert not configs.heads_first(True, k_of(4 * llama_2048))  # S=8192: 128 MiB
-    assert not configs.heads_first(False, k_of(llama_2048))  # no band: every block the same work
-    assert not configs.heads_first(True, k_of(llama_2048, cuda=False))
+    assert configs.heads_first(True, k_of(llama_2048), 128)
+    assert not configs.heads_first(True, k_of(4 * llama_2048), 128)  # S=8192: 128 MiB
+    assert not configs.heads_first(False, k_of(llama_2048), 128)  # no band: every block the same work
+    assert not configs.heads_first(True, k_of(llama_2048, cuda=False), 128)
     monkeypatch.setattr(configs, "HEADS_FIRST", True)
-    assert configs.heads_first(True, k_of(4 * llama_2048)) and not configs.heads_first(False, k_of(1))
+    assert configs.heads_first(True, k_of(4 * llama_2048), 128) and not configs.heads_first(False, k_of(1), 128)
     monkeypatch.setattr(configs, "HEADS_FIRST", False)
-    assert not configs.heads_first(True, k_of(llama_2048))
+    assert not configs.heads_first(True, k_of(llama_2048), 128)
+    # more batch x heads than a grid's y axis holds: heads first whatever else holds
+    assert configs.heads_first(False, k_of(1, cuda=False), 65536)
+    assert not configs.heads_first(False, k_of(1, cuda=False), 65535)

@@ -213,3 +213,49 @@ def test_heads_first_program_order_changes_nothing(kw, monkeypatch, poison):
     if not varlen:
         check_against_reference(q, k, v, swapped[0], None, swapped[1:], dout, kw.get("causal", False),
                                 window_size=kw.get("window_size", (-1, -1)))
+
+
+def test_more_heads_than_a_grid_axis_holds(monkeypatch, poison):
+    """CUDA grids hold at most 65535 programs on y and z: batch x heads past that go on the grid's
+    x axis (forward, dQ, dK/dV, delta preprocess, split-KV decoding, probabilities / dBias tiles).
+    Run here with the limit lowered to 3 (batch x heads = 8): bitwise what the usual layout gives."""
+    from tritonattn import configs, flash_attn_with_kvcache
+    from tritonattn.kernels import launch as launch_mod
+    from tritonattn.kernels import plan
+
+    torch.manual_seed(9)
+    B, S, Hq, Hkv, D = 2, 45, 4, 2, 32
+    q, k, v = random_qkv(B, S, S, Hq, Hkv, D, F32, DEVICE)
+    bias = torch.randn(B, Hq, S, S, device=DEVICE, requires_grad=True)
+    dout = torch.randn_like(q)
+    k_cache, v_cache = (t.detach().clone() for t in (k, v))
+
+    def run():
+        out, lse, probs = flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
+        res = [out, lse, probs, *torch.autograd.grad(out, (q, k, v), dout)]
+        out = tritonattn.attention(q, k, v, bias=bias, causal=True)
+        res += [out, *torch.autograd.grad(out, (q, k, v, bias), dout)]
+        with monkeypatch.context() as m:  # the atomic path's delta preprocess; its dQ sums in program
+            m.setenv("TRITONATTN_ATOMIC_DQ", "1")  # order, so only dK / dV are compared bitwise
+            out = flash_attn_func(q, k, v, causal=True)
+            res += torch.autograd.grad(out, (k, v), dout)
+        res.append(flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, cache_seqlens=40, num_splits=3))
+        return res
+
+    torch.manual_seed(1)
+    base = run()
+    monkeypatch.setattr(configs, "MAX_GRID_YZ", 3)
+    plan.clear()
+    grids = []
+    real = launch_mod.launch
+    monkeypatch.setattr(launch_mod, "launch", lambda fn, grid, *a: grids.append((fn.__name__, grid)) or
+                        real(fn, grid, *a))
+    monkeypatch.setattr(tritonattn.kernels.bwd, "launch", launch_mod.launch)  # the tile kernel's import
+    torch.manual_seed(1)
+    wide = run()
+    for name, grid in grids:  # no grid axis past x holds more than the (lowered) limit
+        assert all(n <= 3 for n in grid[1:]), (name, grid)
+    assert {n for n, _ in grids} >= {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_bwd_preprocess_kernel",
+                                     "_decode_split_kernel", "_tile_kernel"}
+    for a, b in zip(base, wide):
+        assert torch.equal(a, b)

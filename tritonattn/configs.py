@@ -73,12 +73,20 @@ def _l2_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).L2_cache_size
 
 
-def heads_first(banded: bool, k: torch.Tensor) -> bool:
-    """Heads-first program order for a call whose blocks differ in work (``banded``: a causal mask
-    or a window's right edge), when K and V of every head fit in the GPU's L2 cache: measured on
-    the H200 (llama bf16 causal, 2026-11-30, benchmarks/NOTES.md), heads first took 5-18% off the
-    backward and 1-5% off the forward while K / V fit in the 50 MB L2 (B=4 S<=2048, B=1 S=8192), and
-    cost 2-6% once they did not (every head's K / V streamed at once). Off on CPU tensors."""
+# CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
+MAX_GRID_YZ = 65535
+
+
+def heads_first(banded: bool, k: torch.Tensor, heads: int) -> bool:
+    """Heads-first program order (batch x heads on the grid's x axis) for a call whose blocks
+    differ in work (``banded``: a causal mask or a window's right edge), when K and V of every head
+    fit in the GPU's L2 cache: measured on the H200 (llama bf16 causal, 2026-11-30,
+    benchmarks/NOTES.md), heads first took 5-18% off the backward and 1-5% off the forward while
+    K / V fit in the 50 MB L2 (B=4 S<=2048, B=1 S=8192), and cost 2-6% once they did not (every
+    head's K / V streamed at once). Off on CPU tensors. Always when ``heads`` (batch x heads) is
+    more than a grid's y axis may hold."""
+    if heads > MAX_GRID_YZ:
+        return True
     if not banded:
         return False
     if HEADS_FIRST is not None:

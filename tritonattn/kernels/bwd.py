@@ -67,16 +67,18 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     CU_Q, stride_lse_b, stride_lse_h, Hq, Sq,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     """delta = rowsum(dO * O), float32, laid out like the lse."""
-    off_bh = tl.program_id(1).to(tl.int64)
+    pid, _n_blocks, bh = program_order(HEADS_FIRST)
+    off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
     q_start, Sq, _, _ = seq_bounds(CU_Q, CU_Q, off_b, Sq, Sq, IS_VARLEN)
     O += q_start * stride_om
     DO += q_start * stride_dom
     DELTA += off_b * stride_lse_b + off_h * stride_lse_h + q_start
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
     rows = offs_m[:, None].to(tl.int64)
@@ -176,7 +178,7 @@ def _bwd_dkdv_kernel(
 ):
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
-    pid, _, bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
+    pid, _n_blocks, bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
     pid_n = pid // D_SPLIT
     d_part = pid % D_SPLIT
     off_bhk = bh.to(tl.int64)
@@ -462,7 +464,7 @@ def _tile_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_GRAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, O_FIRST: tl.constexpr,
 ):
     """Writes one [BLOCK_M, BLOCK_N] tile of an S x S result, for a program per (tile, out b, out h):
 
@@ -474,9 +476,13 @@ def _tile_kernel(
     Tiles outside the causal / window band (variable length: or past the sequence's end) are
     written as zeros without computing.
     """
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    off_o = tl.program_id(2).to(tl.int64)
+    if O_FIRST:  # more (batch, head) outputs than a grid's z axis may hold: they go on x
+        pid_m = tl.program_id(2)
+        off_o = tl.program_id(0).to(tl.int64)
+    else:
+        pid_m = tl.program_id(0)
+        off_o = tl.program_id(2).to(tl.int64)
     out_b = off_o // OUT_H
     out_h = off_o % OUT_H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -532,11 +538,14 @@ def _dot_args(q):
 def _launch_tiles(q, k, v, do, lse, delta, out, var: Variants, sum_b: int, sum_h: int, with_grad: bool):
     """Fill ``out`` ((B_out, H_out, Sq, Sk), any strides) with probabilities or dBias tiles."""
     _, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+    n_out = out.shape[0] * out.shape[1]
     flags = dict(**var.constexprs(), HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), WITH_GRAD=with_grad,
-                 **_dot_args(q))
+                 **_dot_args(q), O_FIRST=n_out > configs.MAX_GRID_YZ)
 
     def run(cfg):
-        grid = (cdiv(Sq, cfg.block_m), cdiv(Sk, cfg.block_n), out.shape[0] * out.shape[1])
+        m_blocks = cdiv(Sq, cfg.block_m)
+        grid = (n_out, cdiv(Sk, cfg.block_n), m_blocks) if flags["O_FIRST"] else \
+            (m_blocks, cdiv(Sk, cfg.block_n), n_out)
         launch(_tile_kernel, grid, (
             q, k, v, do, lse, delta, out,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do), *out.stride(),
@@ -594,7 +603,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
     var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
     flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q),
-                 HEADS_FIRST=configs.heads_first(var.win_right is not None, k))
+                 HEADS_FIRST=configs.heads_first(var.win_right is not None, k, B * Hq))
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
     # delta shares lse's strides (the kernels index both with them)
@@ -603,10 +612,12 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if atomic_dq:  # no dQ kernel to compute delta on its way (below): a pass of its own
         cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
         pre = configs.preprocess_config(q)
-        b.launch(_bwd_preprocess_kernel, (cdiv(Sq, pre.block_m), B * Hq), (
+        blocks, wide = cdiv(Sq, pre.block_m), B * Hq > configs.MAX_GRID_YZ
+        b.launch(_bwd_preprocess_kernel, (B * Hq, blocks) if wide else (blocks, B * Hq), (
             out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
         ), dict(
             IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
+            HEADS_FIRST=wide,
         ))
     else:  # dQ first: its programs compute delta (rowsum(dO * O)) for the dK/dV kernel
         _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch)

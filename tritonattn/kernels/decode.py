@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tritonattn import configs
 from tritonattn.kernels import plan
-from tritonattn.kernels.common import LN2, LOG2E, mma, scores_log2
+from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
 from tritonattn.kernels.fwd import _kv_rows
 from tritonattn.kernels.launch import cdiv, next_pow2
 from tritonattn.kernels.variants import Variants
@@ -34,12 +34,13 @@ def _decode_split_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key)."""
-    pid_s = tl.program_id(0)
-    off_bhk = tl.program_id(1).to(tl.int64)
+    pid_s, _n_splits, bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
+    n_bhk = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+    off_bhk = bhk.to(tl.int64)
     off_b = off_bhk // Hkv
     off_hk = off_bhk % Hkv
 
@@ -103,7 +104,7 @@ def _decode_split_kernel(
     acc = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     # partial buffers are contiguous (splits, B, Hq, Sq[, D])
-    row = ((pid_s * (tl.num_programs(1) // Hkv) + off_b) * Hq + head) * Sq + qi
+    row = ((pid_s * (n_bhk // Hkv) + off_b) * Hq + head) * Sq + qi
     tl.store(LSE_PART + row, lse, mask=r_ok)
     tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
 
@@ -174,7 +175,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     lse_part = b.alloc(torch.empty, (splits, B, Hq, Sq), torch.float32, q.device)
     c = var.constexprs()
     cache = var.cache_args(q)
-    b.launch(_decode_split_kernel, (splits, B * Hkv), (
+    wide = B * Hkv > configs.MAX_GRID_YZ
+    b.launch(_decode_split_kernel, (B * Hkv, splits) if wide else (splits, B * Hkv), (
         q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
@@ -184,7 +186,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         PAGED=var.block_table is not None,
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide,
     ))
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)

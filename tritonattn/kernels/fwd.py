@@ -278,9 +278,8 @@ def attention_forward(q, k, v, var: Variants):
     tma = TMA and _tma_ok(q, k, v, var)
     if tma:
         _need_allocator()
-    heads_first = configs.heads_first(var.win_right is not None, k)
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, heads_first)
+           tma, WS, configs.HEADS_FIRST)  # (the rest of heads_first's inputs are in the key)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
@@ -292,6 +291,7 @@ def attention_forward(q, k, v, var: Variants):
     lse = b.alloc(alloc, var.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
+    heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
