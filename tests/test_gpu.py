@@ -402,3 +402,22 @@ def test_heads_first_order_on_gpu(monkeypatch, poison):
     swapped, grids = in_both_program_orders(monkeypatch, run)
     assert grids["_fwd_kernel"][0] == grids["_bwd_dq_kernel"][0] == 16 and grids["_bwd_dkdv_kernel"][0] == 4, grids
     check_against_reference(q, k, v, swapped[0], None, swapped[1:], dout, True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_more_heads_than_a_grid_axis_holds_on_gpu(causal, poison):
+    """Batch x heads past CUDA's 65535 programs per grid y / z axis: forward, backward, decoding."""
+    from tritonattn import flash_attn_with_kvcache
+
+    torch.manual_seed(12)
+    q, k, v = random_qkv(2049, 5, 7, 32, 8, 16, F16, DEVICE)  # 65568 query heads, 16392 kv heads
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(q, k, v, out, lse, grads, dout, causal)
+    # decoding: 8200 x 8 kv heads on the split kernel's grid
+    q1 = torch.randn(8200, 1, 32, 16, device=DEVICE, dtype=F16)
+    kc = torch.randn(8200, 40, 8, 16, device=DEVICE, dtype=F16)
+    vc = torch.randn_like(kc)
+    out1 = flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=33, causal=causal, num_splits=2)
+    check_against_reference(q1, kc[:, :33], vc[:, :33], out1, None, None, None, causal)
