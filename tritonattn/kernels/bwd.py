@@ -320,11 +320,11 @@ def _bwd_dq_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DELTA_HERE: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    """dQ of one query block of one head. DELTA_HERE: also compute this block's delta = rowsum(dO * O)
-    from O and store it (the dK/dV kernel, launched after, reads it): no preprocess kernel. Each
-    (query block, head) has exactly one program, so each delta is written once."""
+    """dQ of one query block of one head. It also computes this block's delta = rowsum(dO * O) from
+    O and stores it (the dK/dV kernel, launched after, reads it): no preprocess kernel. Each (query
+    block, head) has exactly one program, so each delta is written once."""
     pid, n_pid, bh = program_order(HEADS_FIRST)
     pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
     off_bh = bh.to(tl.int64)
@@ -355,13 +355,10 @@ def _bwd_dq_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows_m * stride_dom + offs_d[None, :] * stride_dod,
                  mask=qd_mask, other=0.0)
     lse2 = _load_lse2(LSE, offs_m, m_ok)
-    if DELTA_HERE:
-        o = tl.load(O + q_start * stride_om + off_b * stride_ob + off_h * stride_oh + rows_m * stride_om
-                    + offs_d[None, :] * stride_od, mask=qd_mask, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(DELTA + offs_m, delta, mask=m_ok)
-    else:
-        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+    o = tl.load(O + q_start * stride_om + off_b * stride_ob + off_h * stride_oh + rows_m * stride_om
+                + offs_d[None, :] * stride_od, mask=qd_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + offs_m, delta, mask=m_ok)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -581,7 +578,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST,  # (the rest of heads_first's inputs are in the key)
+               configs.HEADS_FIRST,  # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
@@ -676,19 +673,17 @@ def _dq_tma_ok(q) -> bool:
 def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_args, scales, flags, launch_fn):
     """The dQ kernel; it also writes ``delta`` (rowsum(dO * O)), which the dK/dV kernel reads."""
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
-    dq_flags = dict(flags, DELTA_HERE=True)
-
     def run(cfg):
         blocks = cdiv(Sq, cfg.block_m)
         launch_fn(_bwd_dq_kernel, (B * Hq, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hq), (
             q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), out, *var.bshd_strides(out), *var_args,
             Hq, Hq // Hkv, Sq, Sk, *scales,
         ), dict(
-            **dq_flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
 
     cfg = configs.backward_dq_config(q, var.causal, var.extra_smem)
-    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, dq_flags, cfg, run)
+    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

@@ -279,7 +279,8 @@ def attention_forward(q, k, v, var: Variants):
     if tma:
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST)  # (the rest of heads_first's inputs are in the key)
+           tma, WS, configs.HEADS_FIRST)  # (heads_first's other inputs are in the key; MAX_GRID_YZ
+    # is a constant, changed only by tests, which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
@@ -295,7 +296,7 @@ def attention_forward(q, k, v, var: Variants):
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
-                 PRECISION=configs.dot_precision(q.dtype), TMA=tma)
+                 PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)
 
     def run(cfg):
         blocks = cdiv(Sq, cfg.block_m)
@@ -307,7 +308,7 @@ def attention_forward(q, k, v, var: Variants):
         ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
                 # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
-                WS=WS and tma and cfg.num_warps >= 8, HEADS_FIRST=heads_first))
+                WS=WS and tma and cfg.num_warps >= 8))
 
     autotune.launch_tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run)
     return b.finish((out, lse))
