@@ -83,6 +83,11 @@ def test_decode_grid(capsys):
     assert rows[0]["gbps"] == small.kv_bytes() / rows[0]["ms"] * 1e-6
     print_decode_table(rows)
     assert "[decoding: GB/s of K/V read" in capsys.readouterr().out
+    # --cuda-graphs: graph replays on a GPU (the rows say so); without one, the plain timing
+    rows = measure_shape(small, ["tritonattn"], ["fwd"], cuda_graphs=True)
+    assert ("CUDA graph" in rows[0]["note"]) == torch.cuda.is_available()
+    print_decode_table([dict(rows[0], note="CUDA graph")])
+    assert "each step a CUDA graph replay" in capsys.readouterr().out
 
 
 def test_main_job(capsys):

@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     p.add_argument("--backends", nargs="+", choices=ALL_BACKENDS,
                    default=["tritonattn", *PEERS] if on_gpu else ["tritonattn"])
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode grid: time each backend's decoding step as a CUDA graph replay (kernel time "
+                        "without host time, as serving engines run it); no effect without a GPU")
     p.add_argument("--out", default=None, help="folder for results.csv and plots (default: benchmarks/results/<date>)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="measure no new shape after this many seconds; the tables cover what was measured")
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
         if args.time_budget is not None and i and time.monotonic() - start > args.time_budget:
             print(f"time budget of {args.time_budget:g} s spent: {i} of {len(shapes)} shapes measured", flush=True)
             break
-        got = measure_shape(shape, args.backends, args.modes, env)
+        got = measure_shape(shape, args.backends, args.modes, env, cuda_graphs=args.cuda_graphs)
         rows += got
         summary = " ".join(f"{r['backend']}:{r['mode']}={r['tflops']:.3g}" for r in got if r["tflops"])
         print(f"  {shape.label()}: {summary}", file=sys.stderr, flush=True)

@@ -235,8 +235,25 @@ def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) 
     return (o.float() - ref).abs().max().item()
 
 
-def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> list[dict]:
-    """Time every backend on one shape; a backend that cannot run the shape gets a row with its error."""
+def _graphed(fn: Callable) -> Callable:
+    """A replay of one call of ``fn`` captured in a CUDA graph (warmed up on a side stream first, as
+    PyTorch asks): the kernels' time without the host's per-call work, which is how serving engines
+    run their decoding steps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_graphs: bool = False) -> list[dict]:
+    """Time every backend on one shape; a backend that cannot run the shape gets a row with its error.
+    ``cuda_graphs``: decoding shapes are timed as CUDA graph replays of one step (every backend)."""
     env = env if env is not None else environment()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -256,6 +273,9 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None) -> lis
             if shape.grid == "decode":  # inference: forward only, bandwidth is the figure of merit
                 with torch.no_grad():
                     fn()
+                    if cuda_graphs and device == "cuda":
+                        fn = _graphed(fn)
+                        note = f"{note}; CUDA graph" if note else "CUDA graph"
                     ms = _bench(fn)
                 rows.append(dict(base, mode="fwd", ms=ms, tflops=shape.flops("fwd") / ms * 1e-9, max_err=None,
                                  peak_mem_gb=None, gbps=shape.kv_bytes() / ms * 1e-6, note=note))
@@ -314,8 +334,9 @@ def print_decode_table(rows: list[dict], file=None) -> None:
         return
     ceiling = copy_bandwidth_gbps() if torch.cuda.is_available() else None
     backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in sel)]
-    print(f"\n[decoding: GB/s of K/V read; device copy bandwidth measured now: "
-          f"{ceiling:.0f} GB/s]" if ceiling else "\n[decoding: GB/s of K/V read]", file=file)
+    how = "; each step a CUDA graph replay" if any("CUDA graph" in (r.get("note") or "") for r in sel) else ""
+    print(f"\n[decoding: GB/s of K/V read{how}; device copy bandwidth measured now: "
+          f"{ceiling:.0f} GB/s]" if ceiling else f"\n[decoding: GB/s of K/V read{how}]", file=file)
     print("| shape | " + " | ".join(backends) + " | tritonattn / copy bw | ratio to best peer |", file=file)
     print("|---|" + "---|" * (len(backends) + 2), file=file)
     for shape in dict.fromkeys(r["shape"] for r in sel):
