@@ -28,7 +28,7 @@ class TileConfig(NamedTuple):
     d_split: int = 1
 
 
-def env_flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool | None = False) -> bool | None:
     """An on/off environment switch: "" and "0" are off, anything else on; unset: ``default``."""
     value = os.environ.get(name)
     return default if value is None else value not in ("", "0")
@@ -64,8 +64,7 @@ C = TileConfig
 # edge): heads first (every head's heaviest block before any head's next one) or blocks first
 # (one head's blocks, then the next head's). None: chosen per call by heads_first(); True / False:
 # forced (TRITONATTN_HEADS_FIRST=1 / 0, read once here; the tests and the benchmark set it).
-_hf = os.environ.get("TRITONATTN_HEADS_FIRST")
-HEADS_FIRST: bool | None = None if _hf is None else _hf not in ("", "0")
+HEADS_FIRST: bool | None = env_flag("TRITONATTN_HEADS_FIRST", default=None)
 
 
 @functools.cache

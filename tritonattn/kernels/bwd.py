@@ -30,7 +30,7 @@ from tritonattn.kernels.common import (
     tile_visible,
 )
 from tritonattn.kernels.fwd import _hopper, _need_allocator
-from tritonattn.kernels.launch import cdiv, launch
+from tritonattn.kernels.launch import cdiv, launch, program_grid
 from tritonattn.kernels.variants import Variants
 
 
@@ -70,7 +70,7 @@ def _bwd_preprocess_kernel(
     HEADS_FIRST: tl.constexpr,
 ):
     """delta = rowsum(dO * O), float32, laid out like the lse."""
-    pid, _n_blocks, bh = program_order(HEADS_FIRST)
+    pid, _n_blocks, bh, _n_bh = program_order(HEADS_FIRST)
     off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
     off_h = off_bh % Hq
@@ -178,7 +178,7 @@ def _bwd_dkdv_kernel(
 ):
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
-    pid, _n_blocks, bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
+    pid, _n_blocks, bh, _n_bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
     pid_n = pid // D_SPLIT
     d_part = pid % D_SPLIT
     off_bhk = bh.to(tl.int64)
@@ -325,7 +325,7 @@ def _bwd_dq_kernel(
     """dQ of one query block of one head. It also computes this block's delta = rowsum(dO * O) from
     O and stores it (the dK/dV kernel, launched after, reads it): no preprocess kernel. Each (query
     block, head) has exactly one program, so each delta is written once."""
-    pid, n_pid, bh = program_order(HEADS_FIRST)
+    pid, n_pid, bh, _n_bh = program_order(HEADS_FIRST)
     pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
     off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
@@ -609,8 +609,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if atomic_dq:  # no dQ kernel to compute delta on its way (below): a pass of its own
         cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
         pre = configs.preprocess_config(q)
-        blocks, wide = cdiv(Sq, pre.block_m), B * Hq > configs.MAX_GRID_YZ
-        b.launch(_bwd_preprocess_kernel, (B * Hq, blocks) if wide else (blocks, B * Hq), (
+        wide = configs.heads_first(False, k, B * Hq)  # only past the grid's y limit
+        b.launch(_bwd_preprocess_kernel, program_grid(cdiv(Sq, pre.block_m), B * Hq, wide), (
             out, do, delta, *var.bshd_strides(out), *var.bshd_strides(do), cu_q, stride_lb, stride_lh, Hq, Sq,
         ), dict(
             IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
@@ -631,7 +631,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
         d_split = 1 if atomic_dq else max(1, min(cfg.d_split, block_d // 16))
         blocks = cdiv(Sk, cfg.block_n) * d_split
-        b.launch(_bwd_dkdv_kernel, (B * Hkv, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hkv), (
+        b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
             q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
             *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
             Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
@@ -673,9 +673,9 @@ def _dq_tma_ok(q) -> bool:
 def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_args, scales, flags, launch_fn):
     """The dQ kernel; it also writes ``delta`` (rowsum(dO * O)), which the dK/dV kernel reads."""
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+
     def run(cfg):
-        blocks = cdiv(Sq, cfg.block_m)
-        launch_fn(_bwd_dq_kernel, (B * Hq, blocks) if flags["HEADS_FIRST"] else (blocks, B * Hq), (
+        launch_fn(_bwd_dq_kernel, program_grid(cdiv(Sq, cfg.block_m), B * Hq, flags["HEADS_FIRST"]), (
             q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), out, *var.bshd_strides(out), *var_args,
             Hq, Hq // Hkv, Sq, Sk, *scales,
         ), dict(

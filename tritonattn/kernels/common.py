@@ -152,8 +152,9 @@ def dropout_keep(seed, offs_m, start_n, BLOCK_N: tl.constexpr, dropout_p, TRANS:
 
 @triton.jit
 def program_order(HEADS_FIRST: tl.constexpr):
-    """``(block, number of blocks, batch x head)`` of this program. The grid is (blocks, batch x
-    heads), or with HEADS_FIRST (batch x heads, blocks). The hardware starts programs in grid order,
+    """``(block, number of blocks, batch x head, number of batch x heads)`` of this program. The grid
+    is (blocks, batch x heads), or with HEADS_FIRST (batch x heads, blocks): see
+    ``launch.program_grid``. The hardware starts programs in grid order,
     x fastest, so heads-first starts block i of every head before block i + 1 of any: with the
     kernels' heaviest-first block order (causal), the longest programs of all heads start first
     and the short ones fill the tail, instead of the last heads' longest programs starting last."""
@@ -161,11 +162,13 @@ def program_order(HEADS_FIRST: tl.constexpr):
         blk = tl.program_id(1)
         n_blk = tl.num_programs(1)
         bh = tl.program_id(0)
+        n_bh = tl.num_programs(0)
     else:
         blk = tl.program_id(0)
         n_blk = tl.num_programs(0)
         bh = tl.program_id(1)
-    return blk, n_blk, bh
+        n_bh = tl.num_programs(1)
+    return blk, n_blk, bh, n_bh
 
 
 @triton.jit

@@ -18,7 +18,7 @@ from tritonattn import configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
 from tritonattn.kernels.fwd import _kv_rows
-from tritonattn.kernels.launch import cdiv, next_pow2
+from tritonattn.kernels.launch import cdiv, next_pow2, program_grid
 from tritonattn.kernels.variants import Variants
 
 
@@ -38,8 +38,7 @@ def _decode_split_kernel(
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key)."""
-    pid_s, _n_splits, bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
-    n_bhk = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+    pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
     off_bhk = bhk.to(tl.int64)
     off_b = off_bhk // Hkv
     off_hk = off_bhk % Hkv
@@ -175,8 +174,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     lse_part = b.alloc(torch.empty, (splits, B, Hq, Sq), torch.float32, q.device)
     c = var.constexprs()
     cache = var.cache_args(q)
-    wide = B * Hkv > configs.MAX_GRID_YZ
-    b.launch(_decode_split_kernel, (B * Hkv, splits) if wide else (splits, B * Hkv), (
+    wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
+    b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
         q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),

@@ -20,7 +20,7 @@ from tritonattn.kernels.common import (
     scores_log2,
     seq_bounds,
 )
-from tritonattn.kernels.launch import cdiv
+from tritonattn.kernels.launch import cdiv, program_grid
 from tritonattn.kernels.variants import Variants
 
 
@@ -126,7 +126,7 @@ def _fwd_kernel(
     HEADS_FIRST: tl.constexpr,
 ):
     # causal: the last query blocks have the most keys; launch them first for a better tail
-    pid, n_pid, bh = program_order(HEADS_FIRST)
+    pid, n_pid, bh, _n_bh = program_order(HEADS_FIRST)
     pid_m = n_pid - 1 - pid if WIN_RIGHT else pid
     off_bh = bh.to(tl.int64)
     off_b = off_bh // Hq
@@ -300,7 +300,7 @@ def attention_forward(q, k, v, var: Variants):
 
     def run(cfg):
         blocks = cdiv(Sq, cfg.block_m)
-        b.launch(_fwd_kernel, (B * Hq, blocks) if heads_first else (blocks, B * Hq), (
+        b.launch(_fwd_kernel, program_grid(blocks, B * Hq, heads_first), (
             q, k, v, out, lse,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
             *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),

@@ -31,6 +31,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def program_grid(blocks: int, heads: int, heads_first: bool) -> tuple[int, int]:
+    """The grid of a kernel that reads its program with ``common.program_order``: (blocks, batch x
+    heads), or (batch x heads, blocks) heads first."""
+    return (heads, blocks) if heads_first else (blocks, heads)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
