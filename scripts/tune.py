@@ -56,9 +56,11 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
 
 
 def _set_variant(variant: str) -> None:
+    """Forward: ``tma`` / ``ws`` switches. dK/dV: ``ms<N>`` pipelines its masked loop N deep."""
     from tritonattn.kernels import fwd
 
     fwd.TMA, fwd.WS = "tma" in variant, "ws" in variant
+    configs.DKDV_MASKED_STAGES = int(variant[2:]) if variant.startswith("ms") else None
 
 
 def _compile_jobs(jobs) -> list[str]:
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
+    p.add_argument("--dkdv-variants", nargs="+", default=["plain"], metavar="plain|msN",
+                   help="bwd_dkdv also with its masked (diagonal) loop pipelined N deep (ms1: not pipelined)")
     p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
                    help="time only these candidates, the same list for every mode given (for bwd_dkdv "
                         "N is the key block a program owns); default: the candidate list of configs.py")
@@ -105,9 +109,12 @@ def main(argv=None) -> int:
             return [C(*map(int, c.split(","))) for c in args.configs]
         return CANDIDATES[D][mode]
 
+    def variants(mode):
+        return args.fwd_variants if mode == "fwd" else args.dkdv_variants if mode == "bwd_dkdv" else ["plain"]
+
     plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant) for D in args.head_dims for c in args.causal
             for mode in args.modes for cfg in candidates(D, mode)
-            for variant in (args.fwd_variants if mode == "fwd" else ["plain"])]
+            for variant in variants(mode)]
     t0 = time.perf_counter()
     if args.workers > 1:
         chunks = [plan[i::args.workers] for i in range(args.workers)]
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     for D in args.head_dims:
         for c in args.causal:
             for mode in args.modes:
-                for variant in (args.fwd_variants if mode == "fwd" else ["plain"]):
+                for variant in variants(mode):
                     sel = [r for r in rows if r["D"] == D and r["causal"] == (c == "yes") and r["mode"] == mode
                            and r["variant"] == variant and r["tflops"] > 0]
                     if not sel:
@@ -154,7 +161,8 @@ def main(argv=None) -> int:
                     print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
                           f"| {cur:.1f} |")
     out = os.environ.get("OUT", ".")
-    tag = ("-atomic-dq" if args.atomic_dq else "") + ("-" + "-".join(args.fwd_variants) if args.fwd_variants != ["plain"] else "")
+    tag = ("-atomic-dq" if args.atomic_dq else "") + \
+        "".join("-" + "-".join(v) for v in (args.fwd_variants, args.dkdv_variants) if v != ["plain"])
     name = f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -72,6 +72,12 @@ def _l2_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).L2_cache_size
 
 
+# Software pipelining of the dK/dV kernel's masked (diagonal) query loop: None (the tile's
+# num_stages, as the unmasked loop) or a stage count (TRITONATTN_DKDV_MASKED_STAGES, read once here;
+# 1 = not pipelined, which frees registers: an experiment, benchmarks/NOTES.md).
+DKDV_MASKED_STAGES: int | None = int(os.environ["TRITONATTN_DKDV_MASKED_STAGES"]) \
+    if os.environ.get("TRITONATTN_DKDV_MASKED_STAGES") else None
+
 # CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
 MAX_GRID_YZ = 65535
 

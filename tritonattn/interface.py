@@ -380,8 +380,9 @@ def attention(
 
 def _debug_checks() -> bool:
     """Checks that need a device sync (cu_seqlens contents) run on CPU tensors always, and on CUDA
-    tensors only with TRITONATTN_DEBUG=1."""
-    return env_flag("TRITONATTN_DEBUG")
+    tensors only with TRITONATTN_DEBUG=1, and not while a CUDA graph is being captured (a sync
+    there would invalidate the capture)."""
+    return env_flag("TRITONATTN_DEBUG") and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False) -> None:

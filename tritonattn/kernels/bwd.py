@@ -104,6 +104,7 @@ def _bwd_dkdv_inner(
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr, DQ_TMA: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
@@ -113,11 +114,12 @@ def _bwd_dkdv_inner(
     matrix products per tile instead of 7); with DQ_TMA the tile is added by one bulk TMA reduction
     through the descriptor ``p_dqa`` (sm_90) instead of an atomic per element. D_SPLIT > 1: dK / dV
     hold only the head-dim columns ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``);
-    the scores still use all of D.
+    the scores still use all of D. LOOP_STAGES: the loop's software-pipelining depth (None: the
+    kernel's num_stages).
     """
     d_ok = offs_d < HEAD_DIM
     da_ok = offs_da < HEAD_DIM
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=LOOP_STAGES):
         offs_m = start_m + offs_mb
         m_ok = offs_m < Sq
         qd_ok = m_ok[:, None] & d_ok[None, :]
@@ -174,7 +176,7 @@ def _bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
-    BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr, HEADS_FIRST: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
@@ -237,7 +239,7 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -246,7 +248,7 @@ def _bwd_dkdv_kernel(
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, None)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -256,7 +258,7 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES)
 
     dk = dk * sm_scale
     out_mask = (offs_n[:, None] < Sk) & (offs_da[None, :] < HEAD_DIM)
@@ -638,6 +640,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         ), dict(
             **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
+            MASKED_STAGES=configs.DKDV_MASKED_STAGES,
         ))
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq)
