@@ -177,11 +177,12 @@ def main(argv=None) -> int:
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
-    # head-dim split of the dK / dV kernel (candidates for D=256, where the unsplit accumulators spill)
+    # head-dim and gradient splits of the dK / dV kernel (candidates for D=256, where the unsplit
+    # accumulators spill)
     for dt in args.dtypes:
         for cfg in configs.CANDIDATES[256]["bwd_dkdv"]:
-            if cfg.d_split > 1:
-                name = "-".join(map(str, cfg))
+            if cfg.d_split > 1 or cfg.split_grads:
+                name = "-".join(map(str, cfg[:5])) + ("-grads" if cfg.split_grads else "")
                 plans.append((f"dkdv-{name}-D256-{dt}", 256, dtypes[dt], dict(win_right=0), dict(dkdv=cfg)))
     plans = [p for p in plans if not args.only or args.only in p[0]]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")

@@ -50,7 +50,7 @@ def test_pick_times_every_candidate_skips_failures_and_caches_on_disk(cache_dir)
     best = autotune.pick("key-a", cands, run, timer)
     assert best == C(64, 64, 4, 3) and ran == cands
     data = json.loads((cache_dir / "autotune.json").read_text())
-    assert data == {"key-a": [64, 64, 4, 3, 1]}  # (block_m, block_n, warps, stages, d_split)
+    assert data == {"key-a": [64, 64, 4, 3, 1, False]}  # (block_m, block_n, warps, stages, d_split, split_grads)
     # a new process (empty memory) reads the disk cache and runs nothing
     autotune._memory.clear()
     assert autotune.pick("key-a", cands, lambda cfg: 1 / 0, lambda fn: 1 / 0) == best

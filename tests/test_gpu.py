@@ -278,11 +278,11 @@ def test_tma_reduction_stays_inside_its_descriptor():
     assert torch.equal(x, expect)
 
 
-@pytest.mark.parametrize("cfg", [c for c in configs.CANDIDATES[256]["bwd_dkdv"] if c.d_split > 1],
+@pytest.mark.parametrize("cfg", [c for c in configs.CANDIDATES[256]["bwd_dkdv"] if c.d_split > 1 or c.split_grads],
                          ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dkdv_head_dim_split_on_gpu(cfg, causal, poison):
-    """Every head-dim-split dK / dV candidate at D=256 (and 192, padded), bf16, GQA."""
+    """Every head-dim-split and gradient-split dK / dV candidate at D=256 (and 192, padded), bf16, GQA."""
     for D in (256, 192):
         torch.manual_seed(D)
         q, k, v = random_qkv(2, 1100, 1300, 8, 2, D, BF16, DEVICE)

@@ -255,8 +255,9 @@ def test_qkvpacked_with_variants(poison):
                          ids=["D40-split2-causal", "D96-split4-full", "D64-split2-varlen"])
 def test_dkdv_head_dim_split(D, d_split, causal, varlen, poison, monkeypatch):
     """The dK / dV kernel with its head dim split over ``d_split`` programs per key block (each keeps
-    D / d_split accumulator columns; padded columns past D included) gives the gradients of the
-    unsplit kernel, with GQA, a window, softcap, ALiBi, dropout and a bias with gradient."""
+    D / d_split accumulator columns; padded columns past D included), and split by gradient (a dV
+    launch and a dK launch, ``split_grads``), gives the gradients of the unsplit kernel, with GQA, a
+    window, softcap, ALiBi, dropout and a bias with gradient."""
     from tritonattn import configs, flash_attn_varlen_func
     from tritonattn.configs import TileConfig as C
 
@@ -270,13 +271,13 @@ def test_dkdv_head_dim_split(D, d_split, causal, varlen, poison, monkeypatch):
 
     def spy(fn, grid, args, kwargs):
         if "D_SPLIT" in kwargs:
-            splits_run.append(kwargs["D_SPLIT"])
+            splits_run.append((kwargs["D_SPLIT"], kwargs["GRADS"]))
         return real_launch(fn, grid, args, kwargs)
 
     monkeypatch.setattr(launch, "launch", spy)  # every launcher reaches Triton through it
     grads = []
-    for split in (1, d_split):
-        with configs.override(bwd_dkdv=C(16, 32, 4, 1, split)):
+    for cfg in (C(16, 32, 4, 1), C(16, 32, 4, 1, d_split), C(16, 32, 4, 1, 1, True)):
+        with configs.override(bwd_dkdv=cfg):
             torch.manual_seed(5)
             if varlen:
                 lens_q, lens_k = torch.tensor([0, 20, 45]), torch.tensor([0, 33, 70])
@@ -291,7 +292,8 @@ def test_dkdv_head_dim_split(D, d_split, causal, varlen, poison, monkeypatch):
                 wrt = (q, k, v, bias)
             torch.manual_seed(6)
             grads.append(_grads(out, wrt)[0])
-    assert splits_run == [1, d_split], splits_run
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), *grads):
-        assert not torch.isnan(b).any(), name
-        torch.testing.assert_close(b.float(), a.float(), rtol=2e-3, atol=2e-3, msg=name)
+    assert splits_run == [(1, 3), (d_split, 3), (1, 1), (1, 2)], splits_run
+    for other in grads[1:]:
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads[0], other):
+            assert not torch.isnan(b).any(), name
+            torch.testing.assert_close(b.float(), a.float(), rtol=2e-3, atol=2e-3, msg=name)

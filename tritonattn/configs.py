@@ -26,6 +26,9 @@ class TileConfig(NamedTuple):
     num_stages: int
     # dK / dV kernel only: programs per key block, each accumulating head_dim / d_split columns
     d_split: int = 1
+    # dK / dV kernel only: one launch for dV, one for dK, each over all of D (5 products per tile
+    # where the head-dim split in two runs 6; half the accumulators of an unsplit program)
+    split_grads: bool = False
 
 
 def env_flag(name: str, default: bool | None = False) -> bool | None:
@@ -177,7 +180,10 @@ CANDIDATES = {
                      # head dim split in two: half the accumulators (64 x 64, 64 x 128, 32 x 256 and
                      # 3 stages of 32 x 128 need more than 227 KB of shared memory, compile_check.py)
                      C(32, 64, 4, 2, 2), C(32, 64, 8, 2, 2), C(32, 128, 8, 2, 2), C(16, 128, 8, 2, 2),
-                     C(32, 128, 4, 2, 2), C(32, 128, 8, 1, 2), C(16, 128, 4, 3, 2), C(32, 128, 8, 2, 4)],
+                     C(32, 128, 4, 2, 2), C(32, 128, 8, 1, 2), C(16, 128, 4, 3, 2), C(32, 128, 8, 2, 4),
+                     # split by gradient (a dV launch, then a dK launch; 5 products where d_split=2 runs 6)
+                     C(32, 128, 8, 2, 1, True), C(16, 128, 8, 2, 1, True), C(32, 128, 8, 1, 1, True),
+                     C(32, 64, 4, 2, 1, True), C(64, 128, 8, 1, 1, True)],
         "bwd_dq": [C(64, 32, 8, 1), C(128, 32, 8, 3), C(64, 32, 4, 2), C(64, 64, 8, 2), C(32, 64, 4, 2),
                    C(64, 32, 8, 2), C(128, 32, 8, 2), C(64, 16, 4, 3)],
     },

@@ -104,7 +104,7 @@ def _bwd_dkdv_inner(
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr, DQ_TMA: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, GRADS: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
@@ -115,7 +115,7 @@ def _bwd_dkdv_inner(
     through the descriptor ``p_dqa`` (sm_90) instead of an atomic per element. D_SPLIT > 1: dK / dV
     hold only the head-dim columns ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``);
     the scores still use all of D. LOOP_STAGES: the loop's software-pipelining depth (None: the
-    kernel's num_stages).
+    kernel's num_stages). GRADS: 3 both gradients, 1 dV only (no dO V^T, no delta), 2 dK only.
     """
     d_ok = offs_d < HEAD_DIM
     da_ok = offs_da < HEAD_DIM
@@ -126,14 +126,20 @@ def _bwd_dkdv_inner(
         q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=qd_ok, other=0.0)
         do = tl.load(p_do + offs_m[:, None].to(tl.int64) * stride_dom, mask=qd_ok, other=0.0)
         lse2 = _load_lse2(p_lse, offs_m, m_ok)
-        delta = tl.load(p_delta + offs_m, mask=m_ok, other=0.0)
+        if GRADS & 2:
+            delta = tl.load(p_delta + offs_m, mask=m_ok, other=0.0)
+        else:
+            delta = tl.zeros([BLOCK_M], tl.float32)
         qk_t = mma(k, tl.trans(q), None, DOT_FP32, PRECISION)
         s_t, t_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], Sq, Sk, qk_scale, softcap_scale,
                                softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m,
                                stride_mask_n, win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
                                HAS_BIAS, MASK_KIND)
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        dp_t = mma(v, tl.trans(do), None, DOT_FP32, PRECISION)
+        if GRADS & 2:
+            dp_t = mma(v, tl.trans(do), None, DOT_FP32, PRECISION)
+        else:  # dV only: dS is not needed (its code is dropped)
+            dp_t = p_t
         keep_t = 0
         if HAS_DROPOUT:
             keep_t = dropout_keep(seed, offs_m, start_n, BLOCK_N, dropout_p, True)
@@ -144,9 +150,11 @@ def _bwd_dkdv_inner(
             qa_ok = m_ok[:, None] & da_ok[None, :]
             q_acc = tl.load(p_qa + offs_m[:, None].to(tl.int64) * stride_qm, mask=qa_ok, other=0.0)
             do_acc = tl.load(p_doa + offs_m[:, None].to(tl.int64) * stride_dom, mask=qa_ok, other=0.0)
-        dv = mma(p_t.to(do.dtype), do_acc, dv, DOT_FP32, PRECISION)
+        if GRADS & 1:
+            dv = mma(p_t.to(do.dtype), do_acc, dv, DOT_FP32, PRECISION)
         ds_lo = ds_t.to(q.dtype)
-        dk = mma(ds_lo, q_acc, dk, DOT_FP32, PRECISION)
+        if GRADS & 2:
+            dk = mma(ds_lo, q_acc, dk, DOT_FP32, PRECISION)
         if ATOMIC_DQ:
             dq_part = mma(tl.trans(ds_lo), k, None, DOT_FP32, PRECISION)
             if DQ_TMA:  # rows past Sq and columns past HEAD_DIM fall outside the descriptor: dropped
@@ -177,7 +185,9 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
     BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr, HEADS_FIRST: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    GRADS: tl.constexpr,
 ):
+    # GRADS: 3 dK and dV; 1 dV only, 2 dK only (the split-gradient launches of TileConfig.split_grads)
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
     # dK / dV (smaller accumulators: D=256 fits larger key blocks); all recompute the scores
     pid, _n_blocks, bh, _n_bh = program_order(HEADS_FIRST)  # causal: key block 0 sees the most queries and goes first
@@ -206,8 +216,11 @@ def _bwd_dkdv_kernel(
     rows_n = offs_n[:, None].to(tl.int64)
     k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + rows_n * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+    if GRADS & 2:
+        v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + rows_n * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+    else:  # dV only: V is not read
+        v = k
     offs_da = d_part * BLOCK_DA + tl.arange(0, BLOCK_DA)
     dk = tl.zeros([BLOCK_N, BLOCK_DA], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DA], tl.float32)
@@ -239,7 +252,7 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -248,7 +261,7 @@ def _bwd_dkdv_kernel(
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, None)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, None, GRADS)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -258,14 +271,16 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS)
 
-    dk = dk * sm_scale
     out_mask = (offs_n[:, None] < Sk) & (offs_da[None, :] < HEAD_DIM)
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_da[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + rows_n * stride_dvn + offs_da[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=out_mask)
+    if GRADS & 2:
+        dk = dk * sm_scale
+        tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + rows_n * stride_dkn + offs_da[None, :] * stride_dkd,
+                 dk.to(DK.dtype.element_ty), mask=out_mask)
+    if GRADS & 1:
+        tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + rows_n * stride_dvn + offs_da[None, :] * stride_dvd,
+                 dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -631,17 +646,19 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         if atomic_dq:
             dqa.zero_()  # a rerun (autotuning) must not add dQ twice
         # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
-        d_split = 1 if atomic_dq else max(1, min(cfg.d_split, block_d // 16))
+        split_grads = cfg.split_grads and not atomic_dq  # (the atomic path's dQ needs dS: one launch)
+        d_split = 1 if atomic_dq or split_grads else max(1, min(cfg.d_split, block_d // 16))
         blocks = cdiv(Sk, cfg.block_n) * d_split
-        b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
-            q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
-            *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
-            Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
-        ), dict(
-            **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
-            MASKED_STAGES=configs.DKDV_MASKED_STAGES,
-        ))
+        for grads in ((1, 2) if split_grads else (3,)):  # split: dV, then dK, each over all of D
+            b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
+                q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
+                *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
+                Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+            ), dict(
+                **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
+                MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
+            ))
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq)
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
