@@ -118,9 +118,10 @@ _MEASURED = {
           "bwd_dkdv": (C(64, 128, 8, 3), C(32, 64, 4, 3)),
           "bwd_dq": (C(128, 64, 8, 3), C(128, 64, 8, 3))},
     256: {"fwd": (C(128, 64, 8, 2), C(128, 64, 8, 2)),
-          # head dim split in two (d_split=2): 2026-11-30, 246.5 / 242.0 TFLOP/s against 220.0 / 213.5
-          # for the best unsplit tiles (32, 32, 4, 2) / (32, 64, 8, 2) (benchmarks/NOTES.md)
-          "bwd_dkdv": (C(32, 128, 8, 2, 2), C(32, 128, 8, 2, 2)),
+          # split by gradient (a dV launch and a dK launch): 2026-11-30 (fifth session), whole backward
+          # 273.8 / 266.1 TFLOP/s (full / causal, S=8192) against 245.2 / ~250 for the head dim split in
+          # two (32, 128, 8, 2, 2), which beat the best unsplit tiles by 12-13% (benchmarks/NOTES.md)
+          "bwd_dkdv": (C(64, 128, 8, 1, 1, True), C(64, 128, 8, 1, 1, True)),
           "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
 }
 
