@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--all-configs", action="store_true")
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"])
     p.add_argument("--only", help="only the cases whose label contains this")
+    p.add_argument("--split-head-dims", type=int, nargs="+", default=[256], choices=[64, 128, 256],
+                   help="head dims whose dK/dV split candidates (head-dim or gradient split) are compiled")
     args = p.parse_args(argv)
 
     driver.set_active(_Sm90Driver())
@@ -178,12 +180,13 @@ def main(argv=None) -> int:
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),
             ]
     # head-dim and gradient splits of the dK / dV kernel (candidates for D=256, where the unsplit
-    # accumulators spill)
+    # accumulators spill; others with --split-head-dims)
     for dt in args.dtypes:
-        for cfg in configs.CANDIDATES[256]["bwd_dkdv"]:
-            if cfg.d_split > 1 or cfg.split_grads:
-                name = "-".join(map(str, cfg[:5])) + ("-grads" if cfg.split_grads else "")
-                plans.append((f"dkdv-{name}-D256-{dt}", 256, dtypes[dt], dict(win_right=0), dict(dkdv=cfg)))
+        for D in args.split_head_dims:
+            for cfg in configs.CANDIDATES[D]["bwd_dkdv"]:
+                if cfg.d_split > 1 or cfg.split_grads:
+                    name = "-".join(map(str, cfg[:5])) + ("-grads" if cfg.split_grads else "")
+                    plans.append((f"dkdv-{name}-D{D}-{dt}", D, dtypes[dt], dict(win_right=0), dict(dkdv=cfg)))
     plans = [p for p in plans if not args.only or args.only in p[0]]
     print(f"{'case':28} {'kernel':24} {'config':34} {'regs':>5} {'spill':>6} {'smem':>7} {'compile s':>9}")
     for label, D, dtype, var_kw, run_kw in plans:

@@ -55,12 +55,16 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
     return (lambda: out.backward(dout, retain_graph=True)), [q, k, v]
 
 
-def _set_variant(variant: str) -> None:
-    """Forward: ``tma`` / ``ws`` switches. dK/dV: ``ms<N>`` pipelines its masked loop N deep."""
-    from tritonattn.kernels import fwd
+def _set_variant(variant: str, mode: str = "fwd") -> None:
+    """Forward: ``tma`` / ``ws`` switches. Backward: ``tma`` (Q / dO and K / V tiles through tensor
+    descriptors) and ``ms<N>`` (the dK/dV kernel's masked loop pipelined N deep), joined by ``+``."""
+    from tritonattn.kernels import bwd, fwd
 
-    fwd.TMA, fwd.WS = "tma" in variant, "ws" in variant
-    configs.DKDV_MASKED_STAGES = int(variant[2:]) if variant.startswith("ms") else None
+    parts = variant.split("+")
+    fwd.TMA, fwd.WS = mode == "fwd" and "tma" in parts, mode == "fwd" and "ws" in parts
+    bwd.TMA = mode != "fwd" and "tma" in parts
+    stages = [int(p[2:]) for p in parts if p.startswith("ms")]
+    configs.DKDV_MASKED_STAGES = stages[0] if stages else None
 
 
 def _compile_jobs(jobs) -> list[str]:
@@ -69,7 +73,7 @@ def _compile_jobs(jobs) -> list[str]:
     notes = []
     for mode, cfg, D, causal, dt, variant in jobs:
         B, Hq, Hkv = shape_for(D, 8192)
-        _set_variant(variant)
+        _set_variant(variant, mode)
         t0 = time.perf_counter()
         try:
             with configs.override(**{mode: C(*cfg)}):
@@ -91,8 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
-    p.add_argument("--dkdv-variants", nargs="+", default=["plain"], metavar="plain|msN",
-                   help="bwd_dkdv also with its masked (diagonal) loop pipelined N deep (ms1: not pipelined)")
+    p.add_argument("--bwd-variants", nargs="+", default=["plain"], metavar="plain|tma|msN|tma+msN",
+                   help="backward candidates also with Q / dO and K / V read through tensor descriptors (tma), "
+                        "and (bwd_dkdv) its masked loop pipelined N deep (ms1: not pipelined)")
     p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
                    help="time only these candidates, the same list for every mode given (for bwd_dkdv "
                         "N is the key block a program owns); default: the candidate list of configs.py")
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
         return CANDIDATES[D][mode]
 
     def variants(mode):
-        return args.fwd_variants if mode == "fwd" else args.dkdv_variants if mode == "bwd_dkdv" else ["plain"]
+        return args.fwd_variants if mode == "fwd" else args.bwd_variants
 
     plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant) for D in args.head_dims for c in args.causal
             for mode in args.modes for cfg in candidates(D, mode)
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
 
     rows = []
     for mode, cfg, D, causal, _, variant in plan:
-        _set_variant(variant)
+        _set_variant(variant, mode)
         B, Hq, Hkv = shape_for(D, args.seqlen)
         flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
         flops *= 1.0 if mode == "fwd" else 2.5
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
                           f"| {cur:.1f} |")
     out = os.environ.get("OUT", ".")
     tag = ("-atomic-dq" if args.atomic_dq else "") + \
-        "".join("-" + "-".join(v) for v in (args.fwd_variants, args.dkdv_variants) if v != ["plain"])
+        "".join("-" + "-".join(v) for v in (args.fwd_variants, args.bwd_variants) if v != ["plain"])
     name = f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -228,6 +228,28 @@ def test_atomic_dq_on_gpu(D, tma, causal, monkeypatch, poison):
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_backward_tma_on_gpu(D, causal, monkeypatch, poison):
+    """The backward with Q / dO and K / V tiles read through tensor descriptors (kernels.bwd.TMA,
+    TRITONATTN_BWD_TMA=1) at the table's configs, bf16, GQA, ragged lengths: against the reference,
+    and equal to the pointer path up to the order of the arithmetic."""
+    from tritonattn.kernels import bwd, plan
+
+    torch.manual_seed(D)
+    q, k, v = random_qkv(2, 1531, 1000, 8, 2, D, BF16, DEVICE)
+    grads = []
+    for tma in (False, True):
+        monkeypatch.setattr(bwd, "TMA", tma)
+        plan.clear()
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        dout = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE, dtype=BF16)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    check_against_reference(q, k, v, out, lse, grads[1], dout, causal)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=1e-2)
+
+
 def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
     """TMA-reduced dQ over ragged sequences: each sequence's descriptor ends at its own length, so
     no tile spills into the next sequence's rows (lengths not multiples of the tile, 0 and 1)."""

@@ -99,3 +99,61 @@ def test_descriptor_path_only_where_the_layout_allows():
     paged = Variants(softmax_scale=1.0)
     paged.block_table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     assert not fwd._tma_ok(q, kv, kv, paged)
+
+
+BWD_CASES = ["dense-causal-gqa", "window-softcap-alibi", "dropout", "varlen-empty-keys-D128", "dense-full"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", BWD_CASES)
+def test_backward_descriptor_path_equals_pointer_path(monkeypatch, case, dtype):
+    """The backward with Q / dO (dK/dV kernel) and K / V (dQ kernel) read through tensor descriptors
+    (kernels.bwd.TMA) gives the pointer path's gradients. "dense-full" runs with the dK/dV kernel
+    split by gradient and the head dim split in two (each split reads Q / dO the same way)."""
+    from tritonattn import configs
+    from tritonattn.configs import TileConfig as C
+    from tritonattn.kernels import bwd
+
+    call, ins = CASES[case](torch.Generator().manual_seed(1), dtype)
+    for t in ins:
+        t.requires_grad_()
+    cfgs = [None, C(16, 32, 4, 1, 1, True), C(16, 32, 4, 1, 2)] if case == "dense-full" else [None]
+    for cfg in cfgs:
+        results = []
+        for tma in (False, True):
+            monkeypatch.setattr(bwd, "TMA", tma)
+            plan.clear()
+            torch.manual_seed(0)  # dropout's seed
+            with configs.override(**({"bwd_dkdv": cfg} if cfg else {})):
+                out, _ = call()
+                dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
+                results.append(torch.autograd.grad(out, ins, dout))
+        for name, a, b in zip(("dq", "dk", "dv"), *results):
+            assert not torch.isnan(b).any(), name
+            torch.testing.assert_close(a, b, atol=5e-3, rtol=0, msg=f"{name} {cfg}")
+
+
+def test_backward_takes_the_descriptor_path_when_switched_on(monkeypatch):
+    """With the switch on and a layout that allows it, both backward kernels get TMA=True; q or dO
+    with an odd row stride sends them down the pointer path."""
+    from tritonattn.kernels import bwd, launch
+
+    seen = []
+    real = launch.launch
+
+    def spy(fn, grid, args, kwargs):
+        if fn in (bwd._bwd_dq_kernel, bwd._bwd_dkdv_kernel):
+            seen.append(kwargs["TMA"])
+        return real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    monkeypatch.setattr(bwd, "TMA", True)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (_randn(gen, 1, 20, 2, 32, dtype=torch.float16).requires_grad_() for _ in range(3))
+    for make_do, expect in ((lambda o: torch.ones_like(o), True),
+                            (lambda o: torch.ones(1, 20, 2, 36, dtype=o.dtype, device=o.device)[..., :32], False)):
+        plan.clear()
+        seen.clear()
+        out = tritonattn.flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), make_do(out))
+        assert seen == [expect, expect], (seen, expect)

@@ -170,9 +170,12 @@ _DQ = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(128, 32, 4, 3), C
 CANDIDATES = {
     64: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
     128: {"fwd": _FWD, "bwd_dq": _DQ,
-          # with the head dim split in two (unmeasured at D=128)
-          "bwd_dkdv": _DKDV + [C(64, 128, 8, 2, 2), C(64, 128, 8, 3, 2), C(128, 128, 8, 2, 2), C(64, 64, 4, 3, 2),
-                               C(32, 128, 4, 3, 2)]},
+          # with the head dim split in two (no gain at D=128, 2026-11-30)
+          # ((128, 128, 8, 2, 2) needs 263 KB of shared memory: dropped)
+          "bwd_dkdv": _DKDV + [C(64, 128, 8, 2, 2), C(64, 128, 8, 3, 2), C(64, 64, 4, 3, 2), C(32, 128, 4, 3, 2),
+                               # split by gradient (unmeasured at D=128)
+                               C(64, 128, 8, 3, 1, True), C(128, 128, 8, 2, 1, True), C(64, 64, 4, 3, 1, True),
+                               C(128, 64, 8, 3, 1, True)]},
     256: {
         "fwd": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 2), C(64, 64, 4, 3),
                 C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 3)],

@@ -29,7 +29,7 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
-from tritonattn.kernels.fwd import _hopper, _need_allocator
+from tritonattn.kernels.fwd import _hopper, _need_allocator, _tma_ok
 from tritonattn.kernels.launch import cdiv, launch, program_grid
 from tritonattn.kernels.variants import Variants
 
@@ -104,7 +104,7 @@ def _bwd_dkdv_inner(
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr, DQ_TMA: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, GRADS: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, GRADS: tl.constexpr, q_desc, do_desc, TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the query blocks [lo, hi) of one query head.
 
@@ -116,6 +116,8 @@ def _bwd_dkdv_inner(
     hold only the head-dim columns ``offs_da`` (Q / dO columns read through ``p_qa`` / ``p_doa``);
     the scores still use all of D. LOOP_STAGES: the loop's software-pipelining depth (None: the
     kernel's num_stages). GRADS: 3 both gradients, 1 dV only (no dO V^T, no delta), 2 dK only.
+    TMA: Q / dO tiles through the tensor descriptors ``q_desc`` / ``do_desc`` (rows past Sq read as
+    zeros; no per-element address registers).
     """
     d_ok = offs_d < HEAD_DIM
     da_ok = offs_da < HEAD_DIM
@@ -123,8 +125,12 @@ def _bwd_dkdv_inner(
         offs_m = start_m + offs_mb
         m_ok = offs_m < Sq
         qd_ok = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=qd_ok, other=0.0)
-        do = tl.load(p_do + offs_m[:, None].to(tl.int64) * stride_dom, mask=qd_ok, other=0.0)
+        if TMA:
+            q = q_desc.load([tl.cast(start_m, tl.int32), 0])
+            do = do_desc.load([tl.cast(start_m, tl.int32), 0])
+        else:
+            q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=qd_ok, other=0.0)
+            do = tl.load(p_do + offs_m[:, None].to(tl.int64) * stride_dom, mask=qd_ok, other=0.0)
         lse2 = _load_lse2(p_lse, offs_m, m_ok)
         if GRADS & 2:
             delta = tl.load(p_delta + offs_m, mask=m_ok, other=0.0)
@@ -185,7 +191,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, D_SPLIT: tl.constexpr,
     BLOCK_DA: tl.constexpr, DQ_TMA: tl.constexpr, HEADS_FIRST: tl.constexpr, MASKED_STAGES: tl.constexpr,
-    GRADS: tl.constexpr,
+    GRADS: tl.constexpr, TMA: tl.constexpr,
 ):
     # GRADS: 3 dK and dV; 1 dV only, 2 dK only (the split-gradient launches of TileConfig.split_grads)
     # D_SPLIT programs share a key block, each accumulating BLOCK_DA = BLOCK_D / D_SPLIT columns of
@@ -238,6 +244,13 @@ def _bwd_dkdv_kernel(
         if DQ_TMA:  # (the host checked: sm_90, contiguous fp32 buffer, 16-byte aligned rows)
             p_dqa = tl.make_tensor_descriptor(DQA + off_b * stride_dqab + off_h * stride_dqah, shape=[Sq, HEAD_DIM],
                                               strides=[stride_dqam, 1], block_shape=[BLOCK_M, BLOCK_D])
+        q_desc = p_q  # placeholders unless TMA
+        do_desc = p_do
+        if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and strides)
+            q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[Sq, HEAD_DIM],
+                                               strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(DO + off_b * stride_dob + off_h * stride_doh, shape=[Sq, HEAD_DIM],
+                                                strides=[stride_dom, 1], block_shape=[BLOCK_M, BLOCK_D])
         p_qa = Q + off_b * stride_qb + off_h * stride_qh + offs_da[None, :] * stride_qd
         p_doa = DO + off_b * stride_dob + off_h * stride_doh + offs_da[None, :] * stride_dod
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -252,7 +265,8 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS,
+                q_desc, do_desc, TMA)
         # unmasked (keys past Sk need no mask here: they only feed their own, unstored, dK/dV rows)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -261,7 +275,8 @@ def _bwd_dkdv_kernel(
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, None, GRADS)
+            HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, None, GRADS,
+            q_desc, do_desc, TMA)
         if WIN_LEFT:  # masked: the window's left edge
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam, start_n, offs_n,
@@ -271,7 +286,8 @@ def _bwd_dkdv_kernel(
                 p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                 win_left, win_right, seed, dropout_p,
                 True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS)
+                HEAD_DIM, BLOCK_M, BLOCK_N, DOT_FP32, PRECISION, ATOMIC_DQ, D_SPLIT, DQ_TMA, MASKED_STAGES, GRADS,
+                q_desc, do_desc, TMA)
 
     out_mask = (offs_n[:, None] < Sk) & (offs_da[None, :] < HEAD_DIM)
     if GRADS & 2:
@@ -295,16 +311,22 @@ def _bwd_dq_inner(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    k_desc, v_desc, TMA: tl.constexpr,
 ):
-    """Accumulate dQ of one query block over the key blocks [lo, hi)."""
+    """Accumulate dQ of one query block over the key blocks [lo, hi). TMA: K / V tiles through the
+    descriptors ``k_desc`` / ``v_desc`` (rows past Sk read as zeros)."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         kv_ok = d_ok[None, :]
         if BOUNDS:
             kv_ok = kv_ok & (offs_n[:, None] < Sk)
-        k = tl.load(p_k + offs_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
-        v = tl.load(p_v + offs_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
+        if TMA:
+            k = k_desc.load([tl.cast(start_n, tl.int32), 0])
+            v = v_desc.load([tl.cast(start_n, tl.int32), 0])
+        else:
+            k = tl.load(p_k + offs_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
+            v = tl.load(p_v + offs_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
         s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                            slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
@@ -337,7 +359,7 @@ def _bwd_dq_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ of one query block of one head. It also computes this block's delta = rowsum(dO * O) from
     O and stores it (the dK/dV kernel, launched after, reads it): no preprocess kernel. Each (query
@@ -378,6 +400,13 @@ def _bwd_dq_kernel(
     tl.store(DELTA + offs_m, delta, mask=m_ok)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
+    k_desc = p_k  # placeholders unless TMA
+    v_desc = p_v
+    if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and strides)
+        k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[Sk, HEAD_DIM],
+                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[Sk, HEAD_DIM],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                               MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                               HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
@@ -391,21 +420,21 @@ def _bwd_dq_kernel(
             p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
             win_left, win_right, seed, dropout_p,
             True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, k_desc, v_desc, TMA)
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn, offs_m, offs_nb, offs_d,
         full_lo, full_hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
         p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
         win_left, win_right, seed, dropout_p,
         False, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, k_desc, v_desc, TMA)
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, p_k, p_v, stride_kn, stride_vn, offs_m, offs_nb, offs_d,
         tl.maximum(full_hi, full_lo), hi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
         p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
         win_left, win_right, seed, dropout_p,
         True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT,
-        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION)
+        HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, k_desc, v_desc, TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows_m * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_mask)
@@ -595,7 +624,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST,  # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
+               configs.HEADS_FIRST, TMA,  # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
@@ -616,8 +645,11 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     block_d = configs.padded_head_dim(D)
     strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
     var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
+    tma = TMA and _tma_ok(q, k, v, var) and _tma_ok(q, q, do, var)
+    if tma:
+        _need_allocator()
     flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q),
-                 HEADS_FIRST=configs.heads_first(var.win_right is not None, k, B * Hq))
+                 HEADS_FIRST=configs.heads_first(var.win_right is not None, k, B * Hq), TMA=tma)
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
     # delta shares lse's strides (the kernels index both with them)
@@ -673,6 +705,12 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is not None:
         dbias = _bias_grad(q, k, v, do, lse, delta, var, bias_shape)
     return dq, dk, dv, dbias
+
+
+# Q / dO (dK/dV kernel) and K / V (dQ kernel) through tensor descriptors (TMA) where the layout
+# allows it (fwd._tma_ok on q, k, v and do): TRITONATTN_BWD_TMA=1, read once here (tests and
+# scripts/tune.py set the module switch). Off by default until measured on the H200.
+TMA = configs.env_flag("TRITONATTN_BWD_TMA")
 
 
 def atomic_dq_enabled() -> bool:
