@@ -25,6 +25,7 @@ from tritonattn.kernels.common import (
     mma,
     program_order,
     query_range,
+    row_tiles,
     scores_log2,
     seq_bounds,
     tile_visible,
@@ -244,13 +245,9 @@ def _bwd_dkdv_kernel(
         if DQ_TMA:  # (the host checked: sm_90, contiguous fp32 buffer, 16-byte aligned rows)
             p_dqa = tl.make_tensor_descriptor(DQA + off_b * stride_dqab + off_h * stride_dqah, shape=[Sq, HEAD_DIM],
                                               strides=[stride_dqam, 1], block_shape=[BLOCK_M, BLOCK_D])
-        q_desc = p_q  # placeholders unless TMA
-        do_desc = p_do
-        if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and strides)
-            q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[Sq, HEAD_DIM],
-                                               strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-            do_desc = tl.make_tensor_descriptor(DO + off_b * stride_dob + off_h * stride_doh, shape=[Sq, HEAD_DIM],
-                                                strides=[stride_dom, 1], block_shape=[BLOCK_M, BLOCK_D])
+        q_desc, do_desc = row_tiles(Q + off_b * stride_qb + off_h * stride_qh,
+                                    DO + off_b * stride_dob + off_h * stride_doh,
+                                    stride_qm, stride_dom, Sq, p_q, p_do, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         p_qa = Q + off_b * stride_qb + off_h * stride_qh + offs_da[None, :] * stride_qd
         p_doa = DO + off_b * stride_dob + off_h * stride_doh + offs_da[None, :] * stride_dod
         p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
@@ -400,13 +397,8 @@ def _bwd_dq_kernel(
     tl.store(DELTA + offs_m, delta, mask=m_ok)
     p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
-    k_desc = p_k  # placeholders unless TMA
-    v_desc = p_v
-    if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and strides)
-        k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[Sk, HEAD_DIM],
-                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[Sk, HEAD_DIM],
-                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    k_desc, v_desc = row_tiles(K + off_b * stride_kb + off_hk * stride_kh, V + off_b * stride_vb + off_hk * stride_vh,
+                               stride_kn, stride_vn, Sk, p_k, p_v, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                               MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                               HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)

@@ -37,6 +37,21 @@ def mma(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def row_tiles(A, B, stride_a, stride_b, rows, p_a, p_b, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """With TMA: tensor descriptors over two ``[rows, HEAD_DIM]`` row-major blocks starting at ``A``
+    and ``B`` (K and V, or Q and dO, of one head), read as ``[BLOCK_R, BLOCK_D]`` tiles, rows past
+    ``rows`` as zeros (the host checked: unit dim stride, 16-byte aligned bases and row strides).
+    Without: the pointers ``p_a`` / ``p_b``, unchanged."""
+    a = p_a
+    b = p_b
+    if TMA:
+        a = tl.make_tensor_descriptor(A, shape=[rows, HEAD_DIM], strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_D])
+        b = tl.make_tensor_descriptor(B, shape=[rows, HEAD_DIM], strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_D])
+    return a, b
+
+
+@triton.jit
 def tanh(x):
     # 1 - 2 / (e^{2x} + 1): exact limits +-1 for large |x| (exp2 overflows to inf or underflows to 0)
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)

@@ -17,6 +17,7 @@ from tritonattn.kernels.common import (
     key_range,
     mma,
     program_order,
+    row_tiles,
     scores_log2,
     seq_bounds,
 )
@@ -167,14 +168,9 @@ def _fwd_kernel(
     q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     p_k = K + off_bk * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
     p_v = V + off_bk * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
-    k_desc = p_k  # placeholders unless TMA
-    v_desc = p_v
     tl.static_assert(not (TMA and PAGED), "paged keys are read row by row")
-    if TMA:  # (the host checked: dense rows, unit dim stride, 16-byte aligned bases and row strides)
-        k_desc = tl.make_tensor_descriptor(K + off_bk * stride_kb + off_hk * stride_kh, shape=[Sk, HEAD_DIM],
-                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V + off_bk * stride_vb + off_hk * stride_vh, shape=[Sk, HEAD_DIM],
-                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    k_desc, v_desc = row_tiles(K + off_bk * stride_kb + off_hk * stride_kh, V + off_bk * stride_vb + off_hk * stride_vh,
+                               stride_kn, stride_vn, Sk, p_k, p_v, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     p_bias, p_mask, slope2, seed = head_setup(off_b, off_h, off_bh, BIAS, stride_bias_b, stride_bias_h,
                                               MASK, stride_mask_b, stride_mask_h, ALIBI, stride_alibi_b, SEED,
                                               HAS_BIAS, MASK_KIND, HAS_ALIBI, HAS_DROPOUT)
