@@ -54,7 +54,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     t0 = time.perf_counter()
     kernel = _real_run(self, *args, grid=grid, warmup=True, **kwargs)
     RESULTS.append(dict(name=self.__name__, kernel=kernel, seconds=time.perf_counter() - t0,
-                        cfg={k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if k in kwargs}))
+                        cfg={k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GRADS", "TMA")
+                             if k in kwargs and not (k == "GRADS" and kwargs[k] == 3) and not (k == "TMA" and not kwargs[k])}))
     return kernel
 
 

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
                         "and (bwd_dkdv) its masked loop pipelined N deep (ms1: not pipelined)")
     p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
                    help="time only these candidates, the same list for every mode given (for bwd_dkdv "
-                        "N is the key block a program owns); default: the candidate list of configs.py")
+                        "N is the key block a program owns; a 5th number is d_split, a 6th 1 for a split "
+                        "by gradient); default: the candidate list of configs.py")
     p.add_argument("--atomic-dq", action="store_true",
                    help="tune the opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1)")
     args = p.parse_args(argv)

@@ -61,6 +61,11 @@ def test_pick_times_every_candidate_skips_failures_and_caches_on_disk(cache_dir)
     (cache_dir / "autotune.json").write_text(json.dumps({"key-c": [128, 32, 8, 3]}))
     autotune._memory.clear()
     assert autotune.pick("key-c", cands, lambda cfg: 1 / 0, lambda fn: 1 / 0) == C(128, 32, 8, 3, 1)
+    # one written by a later version (a field this one does not know) is tuned again, not a crash
+    (cache_dir / "autotune.json").write_text(json.dumps({"key-d": [64, 64, 4, 3, 1, False, 7]}))
+    autotune._memory.clear()
+    ran.clear()
+    assert autotune.pick("key-d", cands, run, timer) == C(64, 64, 4, 3) and ran == cands
 
 
 def test_key_names_what_changes_the_best_config():

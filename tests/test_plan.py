@@ -177,3 +177,26 @@ def test_signature_covers_every_field():
         changed = dataclasses.replace(base, **{f.name: other.get(f.name, t)})
         assert (changed.signature() != base.signature()
                 or any(a is not b for a, b in zip(changed.tensors(), base.tensors()))), f.name
+
+
+def test_launches_of_a_failed_group_are_not_recorded(monkeypatch):
+    """A config's launches that belong together (the dK/dV split's dV and dK launches) are recorded
+    all or none: when the second raises (out of shared memory), configs.fit retries with another
+    tile, and the plan must not keep the first launch of the failed try."""
+    from tritonattn.kernels import launch
+
+    def fake(fn, grid, args, kwargs):
+        if kwargs.get("fail"):
+            raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(launch, "launch", fake)
+    x = torch.zeros(4)
+    b = plan.Builder(("test-group",), (x,))
+    b.launch("first", (1,), (x,), {})
+    with pytest.raises(RuntimeError), b.all_or_none():
+        b.launch("dv", (1,), (x,), {})
+        b.launch("dk", (1,), (x,), {"fail": True})
+    with b.all_or_none():
+        b.launch("dv-small", (1,), (x,), {})
+        b.launch("dk-small", (1,), (x,), {})
+    assert [entry[0] for entry in b.launches] == ["first", "dv-small", "dk-small"]

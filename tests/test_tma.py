@@ -101,7 +101,7 @@ def test_descriptor_path_only_where_the_layout_allows():
     assert not fwd._tma_ok(q, kv, kv, paged)
 
 
-BWD_CASES = ["dense-causal-gqa", "window-softcap-alibi", "dropout", "varlen-empty-keys-D128", "dense-full"]
+BWD_CASES = ["dense-causal-gqa", "window-softcap-alibi", "dropout", "varlen", "varlen-empty-keys-D128", "dense-full"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -112,11 +112,19 @@ def test_backward_descriptor_path_equals_pointer_path(monkeypatch, case, dtype):
     split by gradient and the head dim split in two (each split reads Q / dO the same way)."""
     from tritonattn import configs
     from tritonattn.configs import TileConfig as C
-    from tritonattn.kernels import bwd
+    from tritonattn.kernels import bwd, launch
 
     call, ins = CASES[case](torch.Generator().manual_seed(1), dtype)
     for t in ins:
         t.requires_grad_()
+    taken, real = [], launch.launch
+
+    def spy(fn, grid, args, kwargs):
+        if fn in (bwd._bwd_dq_kernel, bwd._bwd_dkdv_kernel):
+            taken.append(kwargs["TMA"])
+        return real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
     cfgs = [None, C(16, 32, 4, 1, 1, True), C(16, 32, 4, 1, 2)] if case == "dense-full" else [None]
     for cfg in cfgs:
         results = []
@@ -131,11 +139,13 @@ def test_backward_descriptor_path_equals_pointer_path(monkeypatch, case, dtype):
         for name, a, b in zip(("dq", "dk", "dv"), *results):
             assert not torch.isnan(b).any(), name
             torch.testing.assert_close(a, b, atol=5e-3, rtol=0, msg=f"{name} {cfg}")
+    assert True in taken and False in taken  # both paths ran
 
 
 def test_backward_takes_the_descriptor_path_when_switched_on(monkeypatch):
-    """With the switch on and a layout that allows it, both backward kernels get TMA=True; q or dO
-    with an odd row stride sends them down the pointer path."""
+    """With the switch on and a layout that allows it, both backward kernels get TMA=True; a dO
+    with an odd head stride, or one that is not 16-byte aligned (same shape and strides as an
+    earlier call's: the launch plan must not replay that call's descriptors), takes the pointer path."""
     from tritonattn.kernels import bwd, launch
 
     seen = []
@@ -151,8 +161,12 @@ def test_backward_takes_the_descriptor_path_when_switched_on(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (_randn(gen, 1, 20, 2, 32, dtype=torch.float16).requires_grad_() for _ in range(3))
     for make_do, expect in ((lambda o: torch.ones_like(o), True),
-                            (lambda o: torch.ones(1, 20, 2, 36, dtype=o.dtype, device=o.device)[..., :32], False)):
-        plan.clear()
+                            (lambda o: torch.ones(1, 20, 2, 36, dtype=o.dtype, device=o.device)[..., :32], False),
+                            # the first layout again (a replayed plan), then the same shape and strides
+                            # at a base 2 bytes off 16-byte alignment: a new plan, the pointer path
+                            (lambda o: torch.ones_like(o), True),
+                            (lambda o: torch.ones(o.numel() + 1, dtype=o.dtype, device=o.device)[1:].view(o.shape),
+                             False)):
         seen.clear()
         out = tritonattn.flash_attn_func(q, k, v, causal=True)
         torch.autograd.grad(out, (q, k, v), make_do(out))

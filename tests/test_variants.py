@@ -280,8 +280,8 @@ def test_dkdv_head_dim_split(D, d_split, causal, varlen, poison, monkeypatch):
         with configs.override(bwd_dkdv=cfg):
             torch.manual_seed(5)
             if varlen:
-                lens_q, lens_k = torch.tensor([0, 20, 45]), torch.tensor([0, 33, 70])
-                cu_q, cu_k = lens_q.to(DEVICE, torch.int32), lens_k.to(DEVICE, torch.int32)
+                cu_q = torch.tensor([0, 20, 45], dtype=torch.int32, device=DEVICE)
+                cu_k = torch.tensor([0, 33, 70], dtype=torch.int32, device=DEVICE)
                 qv, kv_, vv = (t.detach().reshape(-1, *t.shape[2:])[:n].clone().requires_grad_()
                                for t, n in ((q, 45), (k, 70), (v, 70)))
                 out = flash_attn_varlen_func(qv, kv_, vv, cu_q, cu_k, 25, 37, dropout_p=0.1, **kw)

@@ -104,9 +104,13 @@ def pick(key: str, cands: list[TileConfig], run: Callable[[TileConfig], None],
         if key in _memory:
             return _memory[key]
         stored = _load_disk().get(key)
-        if stored is not None:
-            _memory[key] = TileConfig(*stored)
-            return _memory[key]
+        try:
+            cfg = None if stored is None else TileConfig(*stored)
+        except (TypeError, ValueError):  # written by another version of tritonattn: tuned again
+            cfg = None
+        if cfg is not None:
+            _memory[key] = cfg
+            return cfg
         timer = timer or _time
         best, best_ms = cands[0], float("inf")
         for cfg in cands:

@@ -27,7 +27,8 @@ class TileConfig(NamedTuple):
     # dK / dV kernel only: programs per key block, each accumulating head_dim / d_split columns
     d_split: int = 1
     # dK / dV kernel only: one launch for dV, one for dK, each over all of D (5 products per tile
-    # where the head-dim split in two runs 6; half the accumulators of an unsplit program)
+    # where the head-dim split in two runs 6; half the accumulators of an unsplit program). Not
+    # with d_split > 1 (split_grads wins); the atomic-dQ path ignores both
     split_grads: bool = False
 
 
@@ -78,7 +79,7 @@ def _l2_bytes(index: int) -> int:
 # Software pipelining of the dK/dV kernel's masked (diagonal) query loop: None (the tile's
 # num_stages, as the unmasked loop) or a stage count (TRITONATTN_DKDV_MASKED_STAGES, read once here;
 # 1 = not pipelined, which frees registers: an experiment, benchmarks/NOTES.md).
-DKDV_MASKED_STAGES: int | None = int(os.environ["TRITONATTN_DKDV_MASKED_STAGES"]) \
+DKDV_MASKED_STAGES: int | None = max(1, int(os.environ["TRITONATTN_DKDV_MASKED_STAGES"])) \
     if os.environ.get("TRITONATTN_DKDV_MASKED_STAGES") else None
 
 # CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
@@ -261,8 +262,10 @@ def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool)
 # it has its own best tile; by padded head dim, bf16 / fp16 (scripts/tune.py --atomic-dq on the H200,
 # S=8192, llama shape: (64, 128, 8, 3) was fastest, causal and not, both with per-element atomics and
 # with TMA reductions, 2026-11-30). Head dims padded to 128 (65-128) use it too, unmeasured; on a
-# shared-memory overflow configs.fit shrinks it. Other head dims take the table's dK/dV entry.
-_ATOMIC_DKDV = {128: C(64, 128, 8, 3)}
+# shared-memory overflow configs.fit shrinks it. D=256: the tile it took before the table's entry
+# became a gradient split (which the atomic path cannot use: its dQ needs dS in the dK program);
+# tested on the H200, not tuned. Other head dims take the table's dK/dV entry.
+_ATOMIC_DKDV = {128: C(64, 128, 8, 3), 256: C(32, 128, 8, 2)}
 
 
 def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False,

@@ -612,11 +612,17 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
+    # descriptors: decided per call (the tensors' 16-byte alignment is not in the plan's key, so the
+    # decision is); the allocator is needed on a replay too
+    tma = TMA and _tma_ok(q, k, v, var) and _tma_ok(q, q, do, var)
+    if tma:
+        _need_allocator()
     key = None  # no plan for dBias or the atomic-dQ path (torch ops between the launches)
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST, TMA,  # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
+               configs.HEADS_FIRST, tma, configs.DKDV_MASKED_STAGES,
+               # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
@@ -637,9 +643,6 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     block_d = configs.padded_head_dim(D)
     strides = (*var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(do))
     var_args = (*var.kernel_args(q), *var.seq_args(q, lse))
-    tma = TMA and _tma_ok(q, k, v, var) and _tma_ok(q, q, do, var)
-    if tma:
-        _need_allocator()
     flags = dict(var.constexprs(), HEAD_DIM=D, BLOCK_D=block_d, **_dot_args(q),
                  HEADS_FIRST=configs.heads_first(var.win_right is not None, k, B * Hq), TMA=tma)
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
@@ -673,16 +676,17 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         split_grads = cfg.split_grads and not atomic_dq  # (the atomic path's dQ needs dS: one launch)
         d_split = 1 if atomic_dq or split_grads else max(1, min(cfg.d_split, block_d // 16))
         blocks = cdiv(Sk, cfg.block_n) * d_split
-        for grads in ((1, 2) if split_grads else (3,)):  # split: dV, then dK, each over all of D
-            b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
-                q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
-                *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
-                Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
-            ), dict(
-                **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
-                MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
-            ))
+        with b.all_or_none():  # split: dV, then dK, each over all of D (configs.fit may retry both)
+            for grads in ((1, 2) if split_grads else (3,)):
+                b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
+                    q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
+                    *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
+                    Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+                ), dict(
+                    **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
+                    MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
+                ))
 
     cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq)
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))

@@ -25,6 +25,8 @@ safe to replay:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from tritonattn import autotune, configs
@@ -140,6 +142,17 @@ class Builder:
         self.allocs.append((factory, tuple(shape), dtype))
         self.bufs.append(t)
         return t
+
+    @contextmanager
+    def all_or_none(self):
+        """Launches that belong together (a config's dV and dK launches): if one raises (out of
+        shared memory, and configs.fit retries with a smaller tile), none of them stays recorded."""
+        mark = len(self.launches)
+        try:
+            yield
+        except BaseException:
+            del self.launches[mark:]
+            raise
 
     def launch(self, fn, grid, args: tuple, kwargs: dict) -> None:
         _launch.launch(fn, grid, args, kwargs)  # raises (e.g. out of shared memory) before recording
