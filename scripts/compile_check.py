@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         if var.kv_lens is not None:  # inference: forward only, both the forward and the split-KV kernels
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
+            decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
             return
         out, lse = attention_forward(q, k, v, var)
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"

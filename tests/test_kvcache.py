@@ -159,8 +159,11 @@ def test_kvcache_bad_input():
 @pytest.mark.parametrize("Sq,causal,extra", [(1, True, {}), (4, True, dict(softcap=15.0)), (2, False, dict(alibi=True)),
                                              (3, True, dict(window_size=(40, 0)))],
                          ids=["decode1", "spec4-softcap", "q2-alibi", "q3-window"])
-def test_split_kv_decoding(paged, Sq, causal, extra, poison):
-    """num_splits > 1 / 0 (split-KV kernel) against num_splits=1 (forward kernel) and the reference."""
+def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
+    """The decoding kernel with num_splits 0 (picked), 1 (one split, the output written by the
+    kernel itself), 3 and 7 against the forward kernel and the reference."""
+    from tritonattn import inference
+
     gen = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
     B, Hq, Hkv, D, S = 3, 8, 2, 64, 160
@@ -175,9 +178,11 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison):
         kw["block_table"] = table
     else:
         kc, vc = k_cache, v_cache
-    ref, ref_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal, num_splits=1,
-                                           return_softmax_lse=True, **kw)
-    for splits in (0, 3, 7):
+    with monkeypatch.context() as m:
+        m.setattr(inference, "DECODE_MAX_ROWS", 0)  # every call on the forward kernel
+        ref, ref_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal,
+                                               return_softmax_lse=True, **kw)
+    for splits in (0, 1, 3, 7):
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal, num_splits=splits,
                                            return_softmax_lse=True, **kw)
         assert not torch.isnan(out).any()
@@ -192,3 +197,34 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison):
         check_against_reference(q[b:b + 1], k_cache[b:b + 1, :L], v_cache[b:b + 1, :L], out[b:b + 1],
                                 lse[b:b + 1], None, None, causal, **rkw)
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # an empty cache row
+
+
+def test_which_kernel_decodes(monkeypatch):
+    """A few query rows per kv head (seqlen_q x group <= 64) take the decoding kernel: with one split
+    it writes the output itself (no combine launch). More rows take the forward kernel whatever
+    num_splits says (a hint there: the decoding kernel's tile holds every row, so 4 x 32 rows would
+    not fit), with the same result for every num_splits."""
+    from tritonattn.kernels import fwd, launch
+
+    seen, real = [], launch.launch
+
+    def spy(fn, grid, args, kwargs):
+        seen.append((fn.__name__, kwargs.get("DIRECT")))
+        return real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 8, 32, device=DEVICE).to(F16)
+    kc, vc = _cache(2, 400, 2, 32)
+    for splits, kernels in ((1, [("_decode_split_kernel", True)]),
+                            (3, [("_decode_split_kernel", False), ("_decode_combine_kernel", None)])):
+        seen.clear()
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=390, num_splits=splits)
+        assert seen == kernels, (splits, seen)
+    q_long = torch.randn(2, 20, 8, 32, device=DEVICE).to(F16)  # 80 rows per kv head
+    outs = []
+    for splits in (0, 1, 4):
+        seen.clear()
+        outs.append(flash_attn_with_kvcache(q_long, kc, vc, cache_seqlens=70, causal=True, num_splits=splits))
+        assert seen == [(fwd._fwd_kernel.__name__, None)], (splits, seen)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -60,9 +60,9 @@ def _kvcache(extra):
     def make(seed):
         gen = torch.Generator().manual_seed(seed)
         B, Hq, Hkv, D, S = 3, 8, 2, 32, 96
-        q = _randn(gen, B, 1, Hq, D)
-        kc, vc = _randn(gen, B, S, Hkv, D), _randn(gen, B, S, Hkv, D)
         kw = dict(extra)
+        q = _randn(gen, B, kw.pop("Sq", 1), Hq, D)
+        kc, vc = _randn(gen, B, S, Hkv, D), _randn(gen, B, S, Hkv, D)
         seqlens = kw.pop("seqlens")
         kw["cache_seqlens"] = seqlens + seed if isinstance(seqlens, int) else \
             torch.tensor(seqlens, dtype=torch.int32, device=DEVICE) + seed
@@ -114,7 +114,8 @@ CASES = {
     "bias": _dense(dict(bias=True, causal=True)),
     "varlen": (_varlen, _varlen_call),
     "decode-split-int-seqlens": _kvcache(dict(seqlens=40, causal=True)),
-    "decode-forward-kernel": _kvcache(dict(seqlens=[3, 50, 70], num_splits=1)),
+    "decode-one-split": _kvcache(dict(seqlens=[3, 50, 70], num_splits=1)),
+    "kvcache-forward-kernel": _kvcache(dict(seqlens=[3, 50, 70], Sq=17, causal=True)),  # 68 rows per kv head
     "decode-paged-append-rotary": _kvcache(dict(seqlens=[0, 33, 80], paged=True, new=True, causal=True)),
     "train-dense-causal-gqa": _train(_dense(dict(causal=True))[0], flash_attn_func),
     "train-dropout-window-softcap-alibi": _train(

@@ -104,10 +104,12 @@ def flash_attn_with_kvcache(
         block_table: int32 ``(batch, max_blocks)``: pages of each row (paged cache).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as ``flash_attn_func``; causal is
             aligned bottom-right (the new queries are the last ones).
-        num_splits: 1 runs the forward kernel (one program per query block, no split); > 1 runs the
-            split-KV decoding kernel with that many key splits (every query of a kv head's GQA
-            group in one tile, splits merged by log-sum-exp); 0 picks: split-KV when
-            ``seqlen_q * nheads / nheads_k <= 64``, with about one wave of programs.
+        num_splits: how many key splits the decoding kernel uses (every query of a kv head's GQA
+            group in one tile, splits merged by log-sum-exp; 1: no split, the kernel writes the
+            output itself); 0 picks about one wave of programs. That kernel runs when
+            ``seqlen_q * nheads / nheads_k <= 64``; longer query blocks take the forward kernel
+            (one program per query block, no split), and ``num_splits`` is then only a hint, as
+            results do not depend on it.
         return_softmax_lse: also return the lse ``(batch, nheads, seqlen_q)``.
     """
     compiling = torch.compiler.is_compiling()  # torch.compile traces: checks only, then the custom op
@@ -238,7 +240,8 @@ def flash_attn_with_kvcache(
         k_arg, v_arg = k_cache[:1].expand(B, *k_cache.shape[1:]), v_cache[:1].expand(B, *v_cache.shape[1:])
     else:
         k_arg, v_arg = k_cache, v_cache
-    split = num_splits > 1 or (num_splits == 0 and Sq * (Hq // k_cache.shape[2]) <= DECODE_MAX_ROWS)
+    # the decoding kernel holds a kv head's whole GQA group of queries in one tile: a few rows only
+    split = Sq * (Hq // k_cache.shape[2]) <= DECODE_MAX_ROWS
     with torch.no_grad():
         if split:
             out, lse = decode_forward(q, k_arg, v_arg, var, capacity, num_splits)

@@ -4,7 +4,8 @@ Decoding is memory-bound: what counts is reading each K/V tile once. So one prog
 (split of the keys, batch row, kv head) and packs every query of the kv head's GQA group (group
 size x seqlen_q rows) into its query tile: each K/V tile is read once per kv head, not once per
 query head. Splits along the keys give the grid enough programs to fill the GPU at small batch;
-a combine kernel merges the splits by their log-sum-exp. The score math (softcap, ALiBi, window /
+a combine kernel merges the splits by their log-sum-exp. With a single split the program writes
+the output itself (no partial buffers, no combine launch). The score math (softcap, ALiBi, window /
 causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
 """
 
@@ -26,6 +27,7 @@ from tritonattn.kernels.variants import Variants
 def _decode_split_kernel(
     Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_ob, stride_om, stride_oh, stride_od,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     ALIBI, stride_alibi_b,
@@ -34,10 +36,12 @@ def _decode_split_kernel(
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
-    split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key)."""
+    split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
+    DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
+    with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq)."""
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
     off_bhk = bhk.to(tl.int64)
     off_b = off_bhk // Hkv
@@ -102,10 +106,15 @@ def _decode_split_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-    # partial buffers are contiguous (splits, B, Hq, Sq[, D])
+    # partial buffers are contiguous (splits, B, Hq, Sq[, D]); with one split, lse's layout too
     row = ((pid_s * (n_bhk // Hkv) + off_b) * Hq + head) * Sq + qi
     tl.store(LSE_PART + row, lse, mask=r_ok)
-    tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+    if DIRECT:
+        tl.store(O_PART + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh
+                 + qi[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+                 acc.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -170,13 +179,16 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
     splits = cdiv(capacity, split_len)
     block_m = max(16, next_pow2(group * Sq))
-    o_part = b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
-    lse_part = b.alloc(torch.empty, (splits, B, Hq, Sq), torch.float32, q.device)
+    direct = splits == 1  # one split: the kernel writes out / lse itself
+    out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
+    lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
+    o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
+    lse_part = lse if direct else b.alloc(torch.empty, (splits, B, Hq, Sq), torch.float32, q.device)
     c = var.constexprs()
     cache = var.cache_args(q)
     wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
     b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
-        q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
     ), dict(
@@ -185,10 +197,10 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         PAGED=var.block_table is not None,
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct,
     ))
-    out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
-    lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
+    if direct:
+        return b.finish((out, lse))
     b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
     ), dict(
