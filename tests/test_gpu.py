@@ -336,7 +336,7 @@ def test_autotune_end_to_end(tmp_path, monkeypatch, poison):
     assert modes == {"fwd", "bwd_dkdv", "bwd_dq"}
 
 
-@pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "forward-kernel"])
+@pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "one-split"])
 def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph
     and replayed with new inputs equals the eager call: nothing in the path syncs with the host or
