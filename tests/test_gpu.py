@@ -336,6 +336,19 @@ def test_autotune_end_to_end(tmp_path, monkeypatch, poison):
     assert modes == {"fwd", "bwd_dkdv", "bwd_dq"}
 
 
+def test_kvcache_long_query_block_with_splits_on_gpu():
+    """num_splits > 1 with 512 x 4 query rows per kv head (chunked prefill into a cache): the forward
+    kernel runs it (the decoding kernel's tile would hold all 2048 rows), against the reference."""
+    from tritonattn import flash_attn_with_kvcache
+
+    torch.manual_seed(13)
+    q = torch.randn(2, 512, 32, 128, device="cuda", dtype=BF16)
+    kc, vc = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=BF16) for _ in range(2))
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1500, causal=True, num_splits=4,
+                                       return_softmax_lse=True)
+    check_against_reference(q, kc[:, :1500], vc[:, :1500], out, lse, None, None, True)
+
+
 @pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "one-split"])
 def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph
