@@ -116,7 +116,12 @@ def main(argv=None) -> int:
         return CANDIDATES[D][mode]
 
     def variants(mode):
-        return args.fwd_variants if mode == "fwd" else args.bwd_variants
+        if mode == "fwd":
+            return args.fwd_variants
+        if mode == "bwd_dq":  # the masked-loop stages are the dK/dV kernel's: one row per TMA setting
+            return list(dict.fromkeys("+".join(p for p in v.split("+") if not p.startswith("ms")) or "plain"
+                                      for v in args.bwd_variants))
+        return args.bwd_variants
 
     plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant) for D in args.head_dims for c in args.causal
             for mode in args.modes for cfg in candidates(D, mode)
