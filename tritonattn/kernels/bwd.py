@@ -22,6 +22,7 @@ from tritonattn.kernels.common import (
     dropout_keep,
     head_setup,
     key_range,
+    load_row_pair,
     mma,
     program_order,
     query_range,
@@ -126,12 +127,7 @@ def _bwd_dkdv_inner(
         offs_m = start_m + offs_mb
         m_ok = offs_m < Sq
         qd_ok = m_ok[:, None] & d_ok[None, :]
-        if TMA:
-            q = q_desc.load([tl.cast(start_m, tl.int32), 0])
-            do = do_desc.load([tl.cast(start_m, tl.int32), 0])
-        else:
-            q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=qd_ok, other=0.0)
-            do = tl.load(p_do + offs_m[:, None].to(tl.int64) * stride_dom, mask=qd_ok, other=0.0)
+        q, do = load_row_pair(q_desc, do_desc, p_q, p_do, stride_qm, stride_dom, start_m, offs_m, qd_ok, TMA)
         lse2 = _load_lse2(p_lse, offs_m, m_ok)
         if GRADS & 2:
             delta = tl.load(p_delta + offs_m, mask=m_ok, other=0.0)
@@ -318,12 +314,7 @@ def _bwd_dq_inner(
         kv_ok = d_ok[None, :]
         if BOUNDS:
             kv_ok = kv_ok & (offs_n[:, None] < Sk)
-        if TMA:
-            k = k_desc.load([tl.cast(start_n, tl.int32), 0])
-            v = v_desc.load([tl.cast(start_n, tl.int32), 0])
-        else:
-            k = tl.load(p_k + offs_n[:, None].to(tl.int64) * stride_kn, mask=kv_ok, other=0.0)
-            v = tl.load(p_v + offs_n[:, None].to(tl.int64) * stride_vn, mask=kv_ok, other=0.0)
+        k, v = load_row_pair(k_desc, v_desc, p_k, p_v, stride_kn, stride_vn, start_n, offs_n, kv_ok, TMA)
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
         s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                            slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,

@@ -52,6 +52,21 @@ def row_tiles(A, B, stride_a, stride_b, rows, p_a, p_b, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
+def load_row_pair(a_desc, b_desc, p_a, p_b, stride_a, stride_b, start, offs, mask, TMA: tl.constexpr):
+    """The two tiles of rows ``offs`` (from ``start``) of the blocks :func:`row_tiles` described: through
+    the descriptors with TMA, else through the pointers ``p_a`` / ``p_b`` (row strides ``stride_a`` /
+    ``stride_b``), ``mask``-ed, zeros elsewhere."""
+    if TMA:  # descriptor offsets are 32-bit
+        a = a_desc.load([tl.cast(start, tl.int32), 0])
+        b = b_desc.load([tl.cast(start, tl.int32), 0])
+    else:
+        rows = offs[:, None].to(tl.int64)
+        a = tl.load(p_a + rows * stride_a, mask=mask, other=0.0)
+        b = tl.load(p_b + rows * stride_b, mask=mask, other=0.0)
+    return a, b
+
+
+@triton.jit
 def tanh(x):
     # 1 - 2 / (e^{2x} + 1): exact limits +-1 for large |x| (exp2 overflows to inf or underflows to 0)
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
