@@ -10,8 +10,10 @@
 #   EXTRAS="overhead example"            only these extras: scripts/overhead.py, scripts/integration_gpu.py,
 #                                        examples/hf_llama.py, and (only when named) profile:
 #                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times)
-#   TUNE_ARGS="--modes fwd ..."          also run scripts/tune.py with these arguments (after the bench)
-#   TUNE_WALL=200                        stop the tuner after this many seconds
+#   TUNE_ARGS="--modes fwd ...;..."      also run scripts/tune.py with these arguments (after the bench;
+#                                        several runs separated by ';')
+#   TUNE_DECODE_ARGS="--batches 64"      scripts/tune_decode.py with these arguments (before the tune runs)
+#   TUNE_WALL=200                        stop each tuner run after this many seconds
 #   TESTS_WALL=540                       stop the test run after this many seconds (SIGINT: pytest still
 #                                        prints its summary; tracebacks also in test-failures.log)
 #   PYTEST_ARGS="tests/a.py;tests/b.py"  two test groups: one per GPU on a two-GPU machine
@@ -91,9 +93,19 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   done
 fi
 
-if [ -n "${TUNE_ARGS:-}" ]; then
+if [ -n "${TUNE_DECODE_ARGS:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${TUNE_WALL:-0}" python3 scripts/tune.py $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | tail -40
+  timeout "${TUNE_WALL:-0}" python3 scripts/tune_decode.py $TUNE_DECODE_ARGS 2>&1 | tee "$OUT/tune-decode.log" | tail -40
+fi
+
+if [ -n "${TUNE_ARGS:-}" ]; then
+  # several runs separated by ';' log to tune.log, tune1.log, ...; TUNE_WALL bounds each
+  IFS=';' read -ra tune_runs <<< "$TUNE_ARGS"
+  for i in "${!tune_runs[@]}"; do
+    # shellcheck disable=SC2086
+    timeout "${TUNE_WALL:-0}" python3 scripts/tune.py ${tune_runs[$i]} 2>&1 \
+      | tee "$OUT/tune$( [ "$i" -gt 0 ] && echo "$i" ).log" | tail -40
+  done
 fi
 
 for pid in "${tests_pids[@]}"; do
