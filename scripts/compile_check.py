@@ -98,12 +98,14 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True):
+    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True,
+            sq=None):
         if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
             with configs.override(bwd_dkdv=dkdv):
-                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma)
+                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq)
         B, S, Hq, Hkv = 2, 256, 4, 2
-        shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, S, Hq, D), (B, S, Hkv, D))
+        # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
+        shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))
         if varlen:
             var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, S, 2 * S], dtype=torch.int32)
             var.max_seqlen_q = var.max_seqlen_k = S
@@ -177,6 +179,10 @@ def main(argv=None) -> int:
                         bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)) for D in (64, 96, 128, 256)],
                 (f"dropout-key-bias-D96-{dt}", 96, dtypes[dt],
                  dict(base, dropout_p=0.25, seed=seed, bias=torch.randn(S).expand(2, 4, S, S)), dict(bias_grad=True)),
+                # one query row: the backward's query loops fold away (found on the H200 with TMA)
+                (f"seqlen-q-1-{dt}", 128, dtypes[dt], {}, dict(sq=1)),
+                (f"seqlen-q-1-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(sq=1)),
+                (f"seqlen-q-1-atomic-dq-{dt}", 128, dtypes[dt], {}, dict(sq=1, atomic_dq=True)),
                 (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),

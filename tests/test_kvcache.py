@@ -228,3 +228,19 @@ def test_which_kernel_decodes(monkeypatch):
         outs.append(flash_attn_with_kvcache(q_long, kc, vc, cache_seqlens=70, causal=True, num_splits=splits))
         assert seen == [(fwd._fwd_kernel.__name__, None)], (splits, seen)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_pick_num_splits(monkeypatch):
+    """The split heuristic on an H200's 132 SMs: about one wave of (split, batch, kv head) programs,
+    at least 2 splits of at least 256 keys; one split once batch x kv heads is two waves or more."""
+    from tritonattn.kernels import decode
+
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert decode.pick_num_splits(1, 8, 16384, cuda) == 16
+    assert decode.pick_num_splits(1, 8, 1000, cuda) == 4  # splits of at least 256 keys
+    assert decode.pick_num_splits(8, 8, 16384, cuda) == 2
+    assert decode.pick_num_splits(32, 8, 16384, cuda) == 2  # 256 programs: under two waves
+    assert decode.pick_num_splits(33, 8, 16384, cuda) == 1
+    assert decode.pick_num_splits(64, 8, 4096, cuda) == 1
+    assert decode.pick_num_splits(1, 1, 100, cuda) == 1  # one split holds every key

@@ -113,7 +113,9 @@ def heads_first(banded: bool, k: torch.Tensor, heads: int) -> bool:
 _MEASURED = {
     # D: {mode: (non-causal config, causal config)}
     64: {"fwd": (C(128, 64, 8, 3), C(128, 64, 8, 3)),
-         "bwd_dkdv": (C(32, 128, 4, 3), C(32, 128, 4, 4)),
+         # causal (32, 128, 4, 3) with the backward's TMA: 363.3 TFLOP/s against 320.1 for the (32, 128, 4, 4)
+         # that was fastest on the pointer path (344.1 there), 2026-11-30 (sixth session)
+         "bwd_dkdv": (C(32, 128, 4, 3), C(32, 128, 4, 3)),
          "bwd_dq": (C(128, 64, 8, 3), C(128, 64, 8, 3))},
     128: {"fwd": (C(128, 128, 8, 3), C(128, 128, 8, 3)),
           # causal (64, 128, 8, 3): measured with the backward's TMA (the default), 421.9 TFLOP/s against
@@ -124,8 +126,10 @@ _MEASURED = {
     256: {"fwd": (C(128, 64, 8, 2), C(128, 64, 8, 2)),
           # split by gradient (a dV launch and a dK launch): 2026-11-30 (fifth session), whole backward
           # 273.8 / 266.1 TFLOP/s (full / causal, S=8192) against 245.2 / ~250 for the head dim split in
-          # two (32, 128, 8, 2, 2), which beat the best unsplit tiles by 12-13% (benchmarks/NOTES.md)
-          "bwd_dkdv": (C(64, 128, 8, 1, 1, True), C(64, 128, 8, 1, 1, True)),
+          # two (32, 128, 8, 2, 2), which beat the best unsplit tiles by 12-13% (benchmarks/NOTES.md).
+          # With the backward's TMA (sixth session) the 32-query tile, pipelined 2 deep, wins:
+          # 292.3 / 299.6 against 270.8 / 278.2 for the fifth session's (64, 128, 8, 1, 1, True)
+          "bwd_dkdv": (C(32, 128, 8, 2, 1, True), C(32, 128, 8, 2, 1, True)),
           "bwd_dq": (C(128, 32, 8, 3), C(128, 32, 8, 3))},
 }
 

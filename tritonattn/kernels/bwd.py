@@ -230,7 +230,9 @@ def _bwd_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = query_range(start_n, Sq, Sk, win_left, win_right, BLOCK_M, BLOCK_N,
                                            WIN_LEFT, WIN_RIGHT)
-    for g in range(GROUP):
+    # not software-pipelined: when the query loop inside folds away (Sq=1, specialized by Triton), this
+    # loop is the innermost, and the pipeliner cannot predicate the descriptor creation in it
+    for g in tl.range(GROUP, num_stages=1):
         off_h = off_hk * GROUP + g
         off_bh = off_b * Hq + off_h
         p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd

@@ -155,8 +155,12 @@ def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.devi
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
     a partial second wave costs up to 12% (batch 8: 5 splits 0.88x cuDNN, 2 splits 1.01x), and
-    one wave of long splits reads K/V at 3.9-4.5 TB/s."""
+    one wave of long splits reads K/V at 3.9-4.5 TB/s. With two waves or more of (batch, kv head)
+    programs, one split (the kernel writes the output, no combine): batch 64 x 8 kv heads, 0.99x /
+    1.01x cuDNN at 4096 / 16384 keys against 0.96x / 1.00x with two (sixth session)."""
     sms = _sm_count(device)
+    if batch * kv_heads >= 2 * sms:
+        return 1
     want = max(2, sms // (batch * kv_heads))
     return max(1, min(want, cdiv(capacity, 256), 128))
 
