@@ -35,10 +35,12 @@ ngpu=$(nvidia-smi -L | grep -c "^GPU")
 
 run_tests() {  # run_tests LOG PYTEST_ARGS WORKERS
   export TRITONATTN_FAILURE_LOG="$OUT/test-failures.log"
-  # -v: every result line names its test, so a run cut short still says what failed
-  # shellcheck disable=SC2086
+  # -v: every result line names its test, so a run cut short still says what failed.
+  # The group's arguments are split as the shell would (quotes kept: -k 'a or b')
+  local args
+  eval "args=($2)"
   timeout -s INT -k 30 "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "$3" \
-    --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 $2 >"$OUT/$1" 2>&1
+    --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 "${args[@]}" >"$OUT/$1" 2>&1
   local rc=$?
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$1" | tail -40
   return $rc
