@@ -99,10 +99,16 @@ def main(argv=None) -> int:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True,
-            sq=None):
+            sq=None, tma=True):
         if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
             with configs.override(bwd_dkdv=dkdv):
+                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq, tma=tma)
+        if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
+            bwd.TMA = False
+            try:
                 return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq)
+            finally:
+                bwd.TMA = True
         B, S, Hq, Hkv = 2, 256, 4, 2
         # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))
@@ -179,6 +185,9 @@ def main(argv=None) -> int:
                         bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)) for D in (64, 96, 128, 256)],
                 (f"dropout-key-bias-D96-{dt}", 96, dtypes[dt],
                  dict(base, dropout_p=0.25, seed=seed, bias=torch.randn(S).expand(2, 4, S, S)), dict(bias_grad=True)),
+                # the backward through pointers at the power-of-two head dims (their pointer-path tiles)
+                *[(f"pointer-bwd-D{D}-{'causal' if c else 'full'}-{dt}", D, dtypes[dt],
+                   dict(win_right=0) if c else {}, dict(tma=False)) for D, c in ((64, True), (128, True), (256, False))],
                 # one query row: the backward's query loops fold away (found on the H200 with TMA)
                 (f"seqlen-q-1-{dt}", 128, dtypes[dt], {}, dict(sq=1)),
                 (f"seqlen-q-1-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(sq=1)),

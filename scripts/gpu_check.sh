@@ -36,9 +36,13 @@ ngpu=$(nvidia-smi -L | grep -c "^GPU")
 run_tests() {  # run_tests LOG PYTEST_ARGS WORKERS
   export TRITONATTN_FAILURE_LOG="$OUT/test-failures.log"
   # -v: every result line names its test, so a run cut short still says what failed.
-  # The group's arguments are split as the shell would (quotes kept: -k 'a or b')
+  # The group's arguments are split as the shell would (quotes kept: -k 'a or b'; the text is the
+  # caller's own, evaluated as shell words); a group that does not parse runs nothing
   local args
-  eval "args=($2)"
+  if ! eval "args=($2)"; then
+    echo "cannot parse the test group: $2" | tee "$OUT/$1"
+    return 2
+  fi
   timeout -s INT -k 30 "${TESTS_WALL:-0}" python3 -m pytest -v -rf -p no:cacheprovider -n "$3" \
     --timeout "${PYTEST_TIMEOUT:-600}" --maxfail=25 --durations=25 "${args[@]}" >"$OUT/$1" 2>&1
   local rc=$?

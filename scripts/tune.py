@@ -11,7 +11,8 @@ cache); the timing pass then only loads the cached binaries. Candidates that fai
 launch (shared memory) are reported and skipped. Results: a table on stdout and a CSV under $OUT.
 ``--fwd-variants plain tma tma+ws`` times each forward candidate also with K / V read through tensor
 descriptors (``tma``) and with the unmasked loop warp-specialized (``ws``): the launcher's switches
-``kernels.fwd.TMA`` / ``WS``.
+``kernels.fwd.TMA`` / ``WS``. ``--bwd-variants tma plain`` (default ``tma``, the library's default on
+sm_90) times the backward candidates through descriptors and through pointers (``kernels.bwd.TMA``).
 
     python scripts/tune.py --head-dims 128 --causal yes no --modes fwd bwd_dkdv bwd_dq
 """
@@ -55,14 +56,20 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
     return (lambda: out.backward(dout, retain_graph=True)), [q, k, v]
 
 
+_BWD_TMA_DEFAULT = None  # the library's backward switch before the first variant was set
+
+
 def _set_variant(variant: str, mode: str = "fwd") -> None:
     """Forward: ``tma`` / ``ws`` switches. Backward: ``tma`` (Q / dO and K / V tiles through tensor
     descriptors) and ``ms<N>`` (the dK/dV kernel's masked loop pipelined N deep), joined by ``+``."""
     from tritonattn.kernels import bwd, fwd
 
+    global _BWD_TMA_DEFAULT
+    if _BWD_TMA_DEFAULT is None:
+        _BWD_TMA_DEFAULT = bwd.TMA
     parts = variant.split("+")
     fwd.TMA, fwd.WS = mode == "fwd" and "tma" in parts, mode == "fwd" and "ws" in parts
-    bwd.TMA = mode != "fwd" and "tma" in parts
+    bwd.TMA = _BWD_TMA_DEFAULT if mode == "fwd" else "tma" in parts
     stages = [int(p[2:]) for p in parts if p.startswith("ms")]
     configs.DKDV_MASKED_STAGES = stages[0] if stages else None
 
@@ -95,9 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
-    p.add_argument("--bwd-variants", nargs="+", default=["plain"], metavar="plain|tma|msN|tma+msN",
-                   help="backward candidates also with Q / dO and K / V read through tensor descriptors (tma), "
-                        "and (bwd_dkdv) its masked loop pipelined N deep (ms1: not pipelined)")
+    p.add_argument("--bwd-variants", nargs="+", default=["tma"], metavar="plain|tma|msN|tma+msN",
+                   help="backward candidates with Q / dO and K / V read through tensor descriptors (tma, the "
+                        "library's default on sm_90) or pointers (plain), and (bwd_dkdv) its masked loop "
+                        "pipelined N deep (ms1: not pipelined)")
     p.add_argument("--configs", nargs="+", metavar="M,N,WARPS,STAGES",
                    help="time only these candidates, the same list for every mode given (for bwd_dkdv "
                         "N is the key block a program owns; a 5th number is d_split, a 6th 1 for a split "
@@ -167,14 +175,18 @@ def main(argv=None) -> int:
                     if not sel:
                         continue
                     best = max(sel, key=lambda r: r["tflops"])
-                    table = tuple(configs.table_configs()[mode][(D, 2, c == "yes")])
+                    table = tuple(configs.table_configs(tma=mode == "fwd" or "tma" in variant.split("+"))[mode][
+                        (D, 2, c == "yes")])
                     cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                     print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
                           f"| {cur:.1f} |")
     out = os.environ.get("OUT", ".")
-    tag = ("-atomic-dq" if args.atomic_dq else "") + \
-        "".join("-" + "-".join(v) for v in (args.fwd_variants, args.bwd_variants) if v != ["plain"])
-    name = f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}.csv"
+    tag = ("-atomic-dq" if args.atomic_dq else "") + "".join(
+        "-" + "-".join(v) for v, default in ((args.fwd_variants, ["plain"]), (args.bwd_variants, ["tma"]))
+        if v != default)
+    # (several runs of one call differ in modes, length or candidates: each keeps its own file)
+    name = (f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}"
+            f"-{'-'.join(args.modes)}-S{args.seqlen}{'-configs' if args.configs else ''}.csv")
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -4,8 +4,11 @@ For each (batch, cache length) of the decode grid's shape (Hq=32, Hkv=8, D=128, 
 times ``flash_attn_with_kvcache`` with each candidate ``configs._DECODE`` entry forced and with
 ``num_splits`` = the heuristic's choice x 1/2, 1, 2, 4; and cuDNN / FA2 SDPA on the same shape for
 the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout, CSV under $OUT.
+``--cuda-graphs`` times every step (peers too) as a CUDA graph replay: kernel time without the
+host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
+launcher's full path, without its launch plan).
 
-    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072]
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
+from tritonattn.bench.runner import _graphed  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
 from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
 
@@ -36,7 +40,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
+    p.add_argument("--cuda-graphs", action="store_true", help="time CUDA graph replays of one step")
     args = p.parse_args(argv)
+
+    def timed(fn) -> float:
+        if args.cuda_graphs:
+            fn = _graphed(fn)
+        return bench(fn)
+
     Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
     rows = []
     print("| B | L | config | splits | ms | GB/s | x cuDNN |\n|---|---|---|---|---|---|---|")
@@ -52,7 +63,7 @@ def main(argv=None) -> int:
                              ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
                 try:
                     with torch.nn.attention.sdpa_kernel(be):
-                        peers[name] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        peers[name] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
                             qt, kt, vt, enable_gqa=True))
                 except RuntimeError as e:
                     print(f"peer {name}: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -67,7 +78,7 @@ def main(argv=None) -> int:
                 for splits in sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
                     with configs.override(decode=cfg):
                         try:
-                            ms = bench(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L, num_splits=splits))
+                            ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L, num_splits=splits))
                         except Exception as e:  # noqa: BLE001
                             print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                   file=sys.stderr)
@@ -78,7 +89,8 @@ def main(argv=None) -> int:
                           f"{ref / ms:.2f} |", flush=True)
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT", "."), "tune-decode.csv")
+    name = "tune-decode-cuda-graphs.csv" if args.cuda_graphs else "tune-decode.csv"
+    path = os.path.join(os.environ.get("OUT", "."), name)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

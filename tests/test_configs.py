@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+import torch
 from triton.runtime.errors import OutOfResources
 
 from tritonattn import configs
@@ -92,3 +93,39 @@ def test_heads_first_rule(monkeypatch):
     # more batch x heads than a grid's y axis holds: heads first whatever else holds
     assert configs.heads_first(False, k_of(1, cuda=False), 65536)
     assert not configs.heads_first(False, k_of(1, cuda=False), 65535)
+
+
+def test_env_flag_spellings(monkeypatch):
+    """Default-on switches (TRITONATTN_BWD_TMA) are turned off by the usual spellings of "off"."""
+    for off in ("", "0", "false", "False", "OFF", "no", " 0 "):
+        monkeypatch.setenv("TRITONATTN_TEST_FLAG", off)
+        assert configs.env_flag("TRITONATTN_TEST_FLAG", default=True) is False
+    for on in ("1", "true", "yes", "on"):
+        monkeypatch.setenv("TRITONATTN_TEST_FLAG", on)
+        assert configs.env_flag("TRITONATTN_TEST_FLAG") is True
+    monkeypatch.delenv("TRITONATTN_TEST_FLAG")
+    assert configs.env_flag("TRITONATTN_TEST_FLAG", default=True) is True
+
+
+def test_dkdv_tile_depends_on_tma(monkeypatch):
+    """The table's dK/dV tiles were tuned with TMA; a backward through pointers (a head dim that is
+    not a power of two, TRITONATTN_BWD_TMA=0, another GPU) takes the pointer path's measured tile
+    where it differs, with the same shared-memory caps for a bias / dropout."""
+    monkeypatch.setattr(configs, "_on_device", lambda q: True)
+    q = torch.empty(1, 1, 1, 96, dtype=torch.bfloat16)
+    for causal in (False, True):
+        with_tma = configs.backward_dkdv_config(q, causal, tma=True)
+        without = configs.backward_dkdv_config(q, causal, tma=False)
+        assert with_tma == configs.table_configs()["bwd_dkdv"][(128, 2, causal)]
+        assert without == configs.table_configs(tma=False)["bwd_dkdv"][(128, 2, causal)]
+    assert configs.backward_dkdv_config(q, True, tma=False) == configs._POINTER_DKDV[(128, True)]
+    assert configs.backward_dkdv_config(q, True, tma=False) != configs.backward_dkdv_config(q, True, tma=True)
+    assert configs.backward_dkdv_config(q, True, extra_smem=True, tma=False).num_stages <= 2
+    q256 = torch.empty(1, 1, 1, 192, dtype=torch.float16)
+    assert configs.backward_dkdv_config(q256, False, tma=False) == configs._POINTER_DKDV[(256, False)]
+    assert configs.backward_dkdv_config(q256, False, extra_smem=True, tma=False).block_n <= 64
+    # fp32 and forced configs do not use the pointer entries
+    q32 = torch.empty(1, 1, 1, 128, dtype=torch.float32)
+    assert configs.backward_dkdv_config(q32, True, tma=False) == configs.backward_dkdv_config(q32, True, tma=True)
+    with configs.override(bwd_dkdv=configs.TileConfig(16, 32, 4, 1)):
+        assert configs.backward_dkdv_config(q, True, tma=False) == configs.TileConfig(16, 32, 4, 1)

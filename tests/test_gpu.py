@@ -232,8 +232,9 @@ def test_atomic_dq_on_gpu(D, tma, causal, monkeypatch, poison):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_backward_tma_on_gpu(D, causal, monkeypatch, poison):
     """The backward with Q / dO and K / V tiles read through tensor descriptors (kernels.bwd.TMA,
-    TRITONATTN_BWD_TMA=1) at the table's configs, bf16, GQA, ragged lengths: against the reference,
-    and equal to the pointer path up to the order of the arithmetic."""
+    the default on sm_90; TRITONATTN_BWD_TMA=0 turns it off) at the table's configs, bf16, GQA,
+    ragged lengths: against the reference, and equal to the pointer path (with its own dK/dV
+    tiles) up to the order of the arithmetic."""
     from tritonattn.kernels import bwd, plan
 
     torch.manual_seed(D)

@@ -33,9 +33,10 @@ class TileConfig(NamedTuple):
 
 
 def env_flag(name: str, default: bool | None = False) -> bool | None:
-    """An on/off environment switch: "" and "0" are off, anything else on; unset: ``default``."""
+    """An on/off environment switch: "", "0", "false", "off" and "no" (any case) are off, anything
+    else on; unset: ``default``."""
     value = os.environ.get(name)
-    return default if value is None else value not in ("", "0")
+    return default if value is None else value.strip().lower() not in ("", "0", "false", "off", "no")
 
 
 def interpreting() -> bool:
@@ -216,9 +217,30 @@ def override(**modes: TileConfig):
         _override.update(saved)
 
 
-def table_configs() -> dict[str, dict[tuple[int, int, bool], TileConfig]]:
-    """Every config the GPU table can pick (the GPU test tier runs each of them)."""
-    return _SM90
+# dK/dV tiles of calls whose backward reads through pointers (kernels.bwd.TMA off, or a layout the
+# descriptors cannot read: head dims that are not powers of two, misaligned strides, GPUs other
+# than sm_90), where they differ from the table's TMA-tuned entries: the pointer path's fastest
+# tiles on the H200 (2026-11-30, fifth and sixth sessions, scripts/tune.py, benchmarks/NOTES.md).
+# With pointers the larger TMA tiles spill more (D=96 all variants: 2872 bytes and 172544 bytes of
+# shared memory at (64, 128, 8, 3), 1576 / 76032 at (32, 64, 4, 3); compile_check.py).
+# (padded head dim, causal) -> config, 16-bit.
+_POINTER_DKDV = {
+    (64, True): C(32, 128, 4, 4),  # 344.1 TFLOP/s; the TMA tile (32, 128, 4, 3) was picked with TMA only
+    (128, True): C(32, 64, 4, 3),  # 359.9 against 339.9 for the TMA tile (64, 128, 8, 3) through pointers
+    (256, False): C(64, 128, 8, 1, 1, True),  # the fifth session's entry, 273.8
+    (256, True): C(64, 128, 8, 1, 1, True),  # 266.1
+}
+
+
+def table_configs(tma: bool = True) -> dict[str, dict[tuple[int, int, bool], TileConfig]]:
+    """Every config the GPU table can pick for backwards with (``tma``) or without tensor
+    descriptors (the GPU test tier runs each of them: power-of-two head dims take the descriptor
+    path there, the others pointers)."""
+    if tma:
+        return _SM90
+    dkdv = dict(_SM90["bwd_dkdv"])
+    dkdv.update({(d, 2, causal): cfg for (d, causal), cfg in _POINTER_DKDV.items()})
+    return dict(_SM90, bwd_dkdv=dkdv)
 
 
 def _on_device(q: torch.Tensor) -> bool:
@@ -250,12 +272,14 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> T
     return cfg
 
 
-def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool) -> TileConfig:
+def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool,
+                     base: TileConfig | None = None) -> TileConfig:
     """``extra_smem`` as for :func:`forward_config`: a bias / mask tile and dropout's bits next to
     each score tile. A third pipeline stage then no longer fits in an H200 block's shared memory
     (dQ with a bias and dropout at D=128: 237568 bytes of 232448, found on the H200 and by
-    scripts/compile_check.py's combined cases), so those run two stages."""
-    cfg = _lookup(mode, q, causal)
+    scripts/compile_check.py's combined cases), so those run two stages. ``base``: the entry to
+    start from instead of the table's."""
+    cfg = base or _lookup(mode, q, causal)
     if extra_smem and mode not in _override:
         if cfg.num_stages > 2:
             cfg = cfg._replace(num_stages=2)
@@ -276,12 +300,16 @@ _ATOMIC_DKDV = {128: C(64, 128, 8, 3), 256: C(32, 128, 8, 2)}
 
 
 def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False,
-                         atomic_dq: bool = False) -> TileConfig:
+                         atomic_dq: bool = False, tma: bool = True) -> TileConfig:
+    """``tma``: the call's Q / dO tiles come through tensor descriptors (the table's entries were
+    tuned that way); without, :data:`_POINTER_DKDV` where it has an entry."""
     d = padded_head_dim(q.shape[-1])
-    if atomic_dq and d in _ATOMIC_DKDV and q.element_size() == 2 and _on_device(q) and "bwd_dkdv" not in _override:
+    tables = "bwd_dkdv" not in _override and q.element_size() == 2 and _on_device(q)
+    if atomic_dq and d in _ATOMIC_DKDV and tables:
         cfg = _ATOMIC_DKDV[d]
         return cfg._replace(num_stages=2) if extra_smem else cfg
-    return _backward_config("bwd_dkdv", q, causal, extra_smem)
+    base = _POINTER_DKDV.get((d, bool(causal))) if not tma and tables else None
+    return _backward_config("bwd_dkdv", q, causal, extra_smem, base)
 
 
 def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:

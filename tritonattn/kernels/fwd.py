@@ -230,7 +230,8 @@ WS = configs.env_flag("TRITONATTN_FWD_WS")
 
 @functools.cache
 def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+    """An NVIDIA sm_90 GPU (ROCm reports major 9 for MI200 / MI300 too)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
 def _tma_ok(q, k, v, var: Variants) -> bool:
