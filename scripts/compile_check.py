@@ -99,10 +99,18 @@ def main(argv=None) -> int:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True,
-            sq=None, tma=True):
+            sq=None, tma=True, pdl=False):
         if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
             with configs.override(bwd_dkdv=dkdv):
                 return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq, tma=tma)
+        if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
+            from tritonattn.kernels import decode
+            saved = decode.PDL, decode._pdl_ok
+            decode.PDL, decode._pdl_ok = True, lambda q: True
+            try:
+                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq, tma=tma)
+            finally:
+                decode.PDL, decode._pdl_ok = saved
         if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
             bwd.TMA = False
             try:
@@ -187,11 +195,14 @@ def main(argv=None) -> int:
                  dict(base, dropout_p=0.25, seed=seed, bias=torch.randn(S).expand(2, 4, S, S)), dict(bias_grad=True)),
                 # the backward through pointers at the power-of-two head dims (their pointer-path tiles)
                 *[(f"pointer-bwd-D{D}-{'causal' if c else 'full'}-{dt}", D, dtypes[dt],
-                   dict(win_right=0) if c else {}, dict(tma=False)) for D, c in ((64, True), (128, True), (256, False))],
+                   dict(win_right=0) if c else {}, dict(tma=False))
+                  for D, c in ((64, True), (128, True), (256, False))],
                 # one query row: the backward's query loops fold away (found on the H200 with TMA)
                 (f"seqlen-q-1-{dt}", 128, dtypes[dt], {}, dict(sq=1)),
                 (f"seqlen-q-1-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(sq=1)),
                 (f"seqlen-q-1-atomic-dq-{dt}", 128, dtypes[dt], {}, dict(sq=1, atomic_dq=True)),
+                (f"kvcache-pdl-{dt}", 128, dtypes[dt],
+                 dict(kv_lens=torch.full((2,), 200, dtype=torch.int32)), dict(pdl=True)),
                 (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),

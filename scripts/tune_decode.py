@@ -8,7 +8,7 @@ the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).
 
-    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs]
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton.testing  # noqa: E402
 from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
 from tritonattn.bench.runner import _graphed  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
+from tritonattn.kernels import decode  # noqa: E402
 from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
 
 CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), C(0, 64, 8, 3), C(0, 128, 8, 3),
@@ -41,7 +42,11 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA graph replays of one step")
+    p.add_argument("--pdl", action="store_true",
+                   help="also time each split candidate with the combine kernel launched through programmatic "
+                        "dependent launch (TRITONATTN_DECODE_PDL)")
     args = p.parse_args(argv)
+    pdl_default = decode.PDL
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -76,17 +81,22 @@ def main(argv=None) -> int:
                       flush=True)
             for cfg in CANDIDATES:
                 for splits in sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    with configs.override(decode=cfg):
-                        try:
-                            ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L, num_splits=splits))
-                        except Exception as e:  # noqa: BLE001
-                            print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
-                                  file=sys.stderr)
-                            continue
-                    rows.append(dict(B=B, L=L, config=str(tuple(cfg)), splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                    mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto else ""
-                    print(f"| {B} | {L} | {tuple(cfg)}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
-                          f"{ref / ms:.2f} |", flush=True)
+                    for pdl in ((False, True) if args.pdl and splits > 1 else (False,)):
+                        decode.PDL = pdl
+                        with configs.override(decode=cfg):
+                            try:
+                                ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
+                                                                           num_splits=splits))
+                            except Exception as e:  # noqa: BLE001
+                                print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                                      file=sys.stderr)
+                                continue
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
+                        rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
+                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
+                        print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
+                              f"{ref / ms:.2f} |", flush=True)
+                    decode.PDL = pdl_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = "tune-decode-cuda-graphs.csv" if args.cuda_graphs else "tune-decode.csv"

@@ -350,6 +350,49 @@ def test_kvcache_long_query_block_with_splits_on_gpu():
     check_against_reference(q, kc[:, :1500], vc[:, :1500], out, lse, None, None, True)
 
 
+def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
+    """TRITONATTN_DECODE_PDL=1: the combine kernel launched through programmatic dependent launch
+    waits for the split kernel on the device. Its results equal the plain launch's bit for bit
+    (the same arithmetic), eagerly and over many CUDA-graph replays (a missing wait would show as
+    a stale or partial result), at 16 and 4 splits, GQA, ragged cache lengths."""
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.kernels import decode, plan
+
+    torch.manual_seed(5)
+    for B, cap, splits in ((1, 4096, 16), (4, 1000, 4)):
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=BF16)
+        kc, vc = (torch.randn(B, cap, 8, 128, device="cuda", dtype=BF16) for _ in range(2))
+        lens = torch.randint(1, cap + 1, (B,), dtype=torch.int32, device="cuda")
+        res = {}
+        for pdl in (False, True):
+            monkeypatch.setattr(decode, "PDL", pdl)
+            plan.clear()
+            res[pdl] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
+                                               return_softmax_lse=True)
+        assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+        if B == 1:  # (ragged batches against the reference: the kv-cache tests)
+            L = int(lens[0])
+            check_against_reference(q, kc[:, :L], vc[:, :L], *res[False], None, None, False)
+        # graph replays with PDL: new queries each time, compared with the eager plain launch
+        monkeypatch.setattr(decode, "PDL", True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+        for _ in range(20):
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            monkeypatch.setattr(decode, "PDL", False)
+            ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+            monkeypatch.setattr(decode, "PDL", True)
+            torch.cuda.synchronize()
+            assert torch.equal(out_g, ref)
+
+
 @pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "one-split"])
 def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph

@@ -14,11 +14,12 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tritonattn import configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
-from tritonattn.kernels.fwd import _kv_rows
+from tritonattn.kernels.fwd import _hopper, _kv_rows
 from tritonattn.kernels.launch import cdiv, next_pow2, program_grid
 from tritonattn.kernels.variants import Variants
 
@@ -37,11 +38,15 @@ def _decode_split_kernel(
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
     DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
-    with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq)."""
+    with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). PDL (sm_90, programmatic dependent
+    launch): the combine kernel may be launched at once, to wait on the device for this grid."""
+    if PDL:
+        gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
     off_bhk = bhk.to(tl.int64)
     off_b = off_bhk // Hkv
@@ -121,9 +126,13 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Sq,
     stride_ob, stride_om, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row."""
+    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row.
+    PDL: launched before the split kernel ended; ``gdc_wait`` holds it until that grid has completed
+    and its writes are visible."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
     off_b = row // (Hq * Sq)
     off_h = (row // Sq) % Hq
@@ -170,7 +179,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     batch index, block table). k / v as the forward kernel takes them. Returns (out, lse)."""
     inputs = (q, k, v, *var.tensors())
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits)
+           var.signature(), capacity, num_splits, PDL)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call (every step of a decoding loop): replayed
         return res
@@ -184,6 +193,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     splits = cdiv(capacity, split_len)
     block_m = max(16, next_pow2(group * Sq))
     direct = splits == 1  # one split: the kernel writes out / lse itself
+    pdl = PDL and not direct and _pdl_ok(q)
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
@@ -201,13 +211,27 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         PAGED=var.block_table is not None,
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
     ))
     if direct:
         return b.finish((out, lse))
     b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)), PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
+
+
+# The combine kernel through programmatic dependent launch (sm_90): it is launched while the split
+# kernel runs and waits for it on the device (griddepcontrol), instead of starting after the split
+# grid's end; for the short decoding steps where a launch gap is a sizeable share of the time.
+# TRITONATTN_DECODE_PDL=1, read once here (tests and scripts/tune_decode.py set the module switch).
+# Off by default: not yet measured on the H200.
+PDL = configs.env_flag("TRITONATTN_DECODE_PDL")
+
+
+def _pdl_ok(q) -> bool:
+    """Programmatic dependent launch: an NVIDIA sm_90 GPU (not the interpreter)."""
+    return q.is_cuda and _hopper(q.device.index)
