@@ -607,7 +607,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors: decided per call (the tensors' 16-byte alignment is not in the plan's key, so the
     # decision is); the allocator is needed on a replay too
-    tma = TMA and _tma_ok(q, k, v, var) and _tma_ok(q, q, do, var)
+    tma = TMA and _tma_ok(q, k, v, var, q, do)
     if tma:
         _need_allocator()
     key = None  # no plan for dBias or the atomic-dQ path (torch ops between the launches)

@@ -234,19 +234,24 @@ def _hopper(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _tma_ok(q, k, v, var: Variants) -> bool:
-    """Tensor descriptors can read K / V: an sm_90 GPU (the one measured; or the interpreter),
-    16-bit elements, a power-of-two head dim (no padded columns), unit dim stride, 16-byte aligned
-    base and row / head / batch strides, a row stride that is not 0 (no keys broadcast along the
-    sequence), keys not paged."""
-    if q.element_size() != 2 or var.block_table is not None or q.shape[-1] != configs.padded_head_dim(q.shape[-1]):
+def _tma_ok(q, k, v, var: Variants, *more) -> bool:
+    """Tensor descriptors can read K / V (and the tensors ``more``, e.g. the backward's Q and dO):
+    an sm_90 GPU (the one measured; or the interpreter), 16-bit elements, a power-of-two head dim
+    (no padded columns), unit dim stride, 16-byte aligned base and row / head / batch strides, a
+    row stride that is not 0 (no keys broadcast along the sequence), keys not paged. (Asked on every
+    backward before its plan is looked up: kept to plain loops, a few microseconds.)"""
+    d = q.shape[-1]
+    if q.element_size() != 2 or var.block_table is not None or d & (d - 1) or d < 16:
         return False
     if q.is_cuda and not _hopper(q.device.index):
         return False
-    for t in (k, v):
+    for t in (k, v, *more):
         st = t.stride()
-        if st[-1] != 1 or t.data_ptr() % 16 or any(x % 8 for x in st[:-1]) or st[-3] == 0:
+        if st[-1] != 1 or st[-3] == 0 or t.data_ptr() % 16:
             return False
+        for x in st[:-1]:
+            if x % 8:
+                return False
     return True
 
 
