@@ -13,12 +13,14 @@ block may have (232448 bytes). Saves GPU time: a kernel that does not build for 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -93,30 +95,22 @@ def main(argv=None) -> int:
     # the table's sm90 configs, as on a CUDA device
     configs._on_device = lambda q: True
     # the atomic-dQ path's TMA reductions (sm_90 only; TRITONATTN_ATOMIC_DQ_TMA=0 keeps per-element atomics)
-    from tritonattn.kernels import bwd
+    from tritonattn.kernels import bwd, decode
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dkdv=None, dq_tma=True,
-            sq=None, tma=True, pdl=False):
-        if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
-            with configs.override(bwd_dkdv=dkdv):
-                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq, tma=tma)
-        if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
-            from tritonattn.kernels import decode
-            saved = decode.PDL, decode._pdl_ok
-            decode.PDL, decode._pdl_ok = True, lambda q: True
-            try:
-                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq, tma=tma)
-            finally:
-                decode.PDL, decode._pdl_ok = saved
-        if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
-            bwd.TMA = False
-            try:
-                return run(D, dtype, var, bias_grad, probs, varlen, atomic_dq, dq_tma=dq_tma, sq=sq)
-            finally:
-                bwd.TMA = True
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, **kw):
+        with contextlib.ExitStack() as stack:
+            if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
+                stack.enter_context(configs.override(bwd_dkdv=dkdv))
+            if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
+                stack.enter_context(mock.patch.object(bwd, "TMA", False))
+            if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
+                stack.enter_context(mock.patch.multiple(decode, PDL=True, _pdl_ok=lambda q: True))
+            run_case(D, dtype, var, **kw)
+
+    def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None):
         B, S, Hq, Hkv = 2, 256, 4, 2
         # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))

@@ -56,20 +56,16 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype):
     return (lambda: out.backward(dout, retain_graph=True)), [q, k, v]
 
 
-_BWD_TMA_DEFAULT = None  # the library's backward switch before the first variant was set
-
-
 def _set_variant(variant: str, mode: str = "fwd") -> None:
     """Forward: ``tma`` / ``ws`` switches. Backward: ``tma`` (Q / dO and K / V tiles through tensor
-    descriptors) and ``ms<N>`` (the dK/dV kernel's masked loop pipelined N deep), joined by ``+``."""
+    descriptors) and ``ms<N>`` (the dK/dV kernel's masked loop pipelined N deep), joined by ``+``.
+    (The fwd mode times no backward: the backward switch is left as it is.)"""
     from tritonattn.kernels import bwd, fwd
 
-    global _BWD_TMA_DEFAULT
-    if _BWD_TMA_DEFAULT is None:
-        _BWD_TMA_DEFAULT = bwd.TMA
     parts = variant.split("+")
     fwd.TMA, fwd.WS = mode == "fwd" and "tma" in parts, mode == "fwd" and "ws" in parts
-    bwd.TMA = _BWD_TMA_DEFAULT if mode == "fwd" else "tma" in parts
+    if mode != "fwd":
+        bwd.TMA = "tma" in parts
     stages = [int(p[2:]) for p in parts if p.startswith("ms")]
     configs.DKDV_MASKED_STAGES = stages[0] if stages else None
 

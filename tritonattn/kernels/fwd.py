@@ -240,8 +240,7 @@ def _tma_ok(q, k, v, var: Variants, *more) -> bool:
     (no padded columns), unit dim stride, 16-byte aligned base and row / head / batch strides, a
     row stride that is not 0 (no keys broadcast along the sequence), keys not paged. (Asked on every
     backward before its plan is looked up: kept to plain loops, a few microseconds.)"""
-    d = q.shape[-1]
-    if q.element_size() != 2 or var.block_table is not None or d & (d - 1) or d < 16:
+    if q.element_size() != 2 or var.block_table is not None or q.shape[-1] != configs.padded_head_dim(q.shape[-1]):
         return False
     if q.is_cuda and not _hopper(q.device.index):
         return False
