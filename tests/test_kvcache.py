@@ -204,7 +204,7 @@ def test_which_kernel_decodes(monkeypatch):
     it writes the output itself (no combine launch). More rows take the forward kernel whatever
     num_splits says (a hint there: the decoding kernel's tile holds every row, so 4 x 32 rows would
     not fit), with the same result for every num_splits."""
-    from tritonattn.kernels import fwd, launch
+    from tritonattn.kernels import fwd, launch, plan
 
     seen, real = [], launch.launch
 
@@ -219,12 +219,14 @@ def test_which_kernel_decodes(monkeypatch):
     for splits, kernels in ((1, [("_decode_split_kernel", True)]),
                             (3, [("_decode_split_kernel", False), ("_decode_combine_kernel", None)])):
         seen.clear()
+        plan.clear()  # on a GPU a replayed plan launches the compiled kernels without launch.launch
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=390, num_splits=splits)
         assert seen == kernels, (splits, seen)
     q_long = torch.randn(2, 20, 8, 32, device=DEVICE).to(F16)  # 80 rows per kv head
     outs = []
     for splits in (0, 1, 4):
         seen.clear()
+        plan.clear()
         outs.append(flash_attn_with_kvcache(q_long, kc, vc, cache_seqlens=70, causal=True, num_splits=splits))
         assert seen == [(fwd._fwd_kernel.__name__, None)], (splits, seen)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
