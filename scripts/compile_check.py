@@ -110,8 +110,10 @@ def main(argv=None) -> int:
                 stack.enter_context(mock.patch.multiple(decode, PDL=True, _pdl_ok=lambda q: True))
             run_case(D, dtype, var, **kw)
 
-    def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None):
-        B, S, Hq, Hkv = 2, 256, 4, 2
+    def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
+                 s=256):
+        # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile)
+        B, S, Hq, Hkv = 2, s, 4, 2
         # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))
         if varlen:
@@ -159,6 +161,7 @@ def main(argv=None) -> int:
             base = dict(win_right=0)
             plans += [
                 (f"plain-{dt}", 128, dtypes[dt], dict(base), {}),
+                (f"plain-long-{dt}", 128, dtypes[dt], dict(base), dict(s=2048)),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

@@ -129,3 +129,44 @@ def test_dkdv_tile_depends_on_tma(monkeypatch):
     assert configs.backward_dkdv_config(q32, True, tma=False) == configs.backward_dkdv_config(q32, True, tma=True)
     with configs.override(bwd_dkdv=configs.TileConfig(16, 32, 4, 1)):
         assert configs.backward_dkdv_config(q, True, tma=False) == configs.TileConfig(16, 32, 4, 1)
+
+
+def test_short_causal_forward_tile(monkeypatch):
+    """Causal forwards of at most SHORT_SEQLEN queries and keys take the short-sequence tile (two
+    programs per SM, measured at S=512 / 1024); longer ones, non-causal ones, fp32 and head dims
+    without a measured entry keep the table's; a forced config and the shared-memory caps still win."""
+    monkeypatch.setattr(configs, "_on_device", lambda q: True)
+    table = configs.table_configs()["fwd"]
+    short = configs._SHORT_CAUSAL_FWD[128]
+    q = torch.empty(1, 1, 1, 96, dtype=torch.bfloat16)
+    assert short != table[(128, 2, True)]
+    assert configs.forward_config(q, True, seqlen=configs.SHORT_SEQLEN) == short
+    assert configs.forward_config(q, True, seqlen=1) == short
+    assert configs.forward_config(q, True, seqlen=configs.SHORT_SEQLEN + 1) == table[(128, 2, True)]
+    assert configs.forward_config(q, True) == table[(128, 2, True)]  # length not given
+    assert configs.forward_config(q, False, seqlen=512) == table[(128, 2, False)]
+    assert configs.forward_config(q.float(), True, seqlen=512) == table[(128, 4, True)]
+    assert configs.forward_config(q[..., :64], True, seqlen=512) == table[(64, 2, True)]
+    assert configs.forward_config(q, True, extra_smem=True, seqlen=512).block_n <= 64
+    with configs.override(fwd=C(32, 32, 4, 1)):
+        assert configs.forward_config(q, True, seqlen=512) == C(32, 32, 4, 1)
+    monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
+    assert configs.forward_config(q, True, seqlen=512) == configs._INTERP["fwd"]
+
+
+def test_forward_launcher_passes_the_longest_length(monkeypatch):
+    """attention_forward asks for its tile with max(seqlen_q, seqlen_k) (max_seqlen for varlen)."""
+    from tritonattn import flash_attn_func
+
+    seen, real = [], configs.forward_config
+
+    def spy(q, causal, extra_smem=False, seqlen=0):
+        seen.append((causal, seqlen))
+        return real(q, causal, extra_smem, seqlen)
+
+    monkeypatch.setattr(configs, "forward_config", spy)
+    q = torch.randn(1, 37, 2, 16, dtype=torch.float16)
+    k = torch.randn(1, 50, 1, 16, dtype=torch.float16)
+    flash_attn_func(q, k, k, causal=True)
+    flash_attn_func(k.expand(1, 50, 2, 16), q[:, :, :1], q[:, :, :1])
+    assert seen == [(True, 50), (False, 50)]

@@ -56,6 +56,28 @@ def test_every_table_config(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
 
 
+# causal forwards of at most configs.SHORT_SEQLEN queries and keys: the short-sequence tile
+SHORT_CAUSAL_CASES = [(2, 1000, 1000, 8, 2, D, True, dtype) for D in (80, 128) for dtype in (BF16, F16)] + [
+    (1, 513, 1024, 4, 4, 96, True, BF16),
+    (3, 1024, 77, 8, 1, 128, True, BF16),
+    (2, 1, 700, 8, 2, 128, True, F16),
+]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
+                         ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
+def test_short_causal_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    picked, real = [], configs.forward_config
+
+    def spy(*args, **kwargs):
+        picked.append(real(*args, **kwargs))
+        return picked[-1]
+
+    monkeypatch.setattr(configs, "forward_config", spy)
+    _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+    assert picked and picked[0] == configs._SHORT_CAUSAL_FWD[128], picked
+
+
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
 def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)

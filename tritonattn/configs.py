@@ -258,12 +258,31 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
     return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
 
 
-def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
-    """``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
+# Causal forwards whose queries and keys are all at most SHORT_SEQLEN long, 16-bit, by padded head
+# dim. The table's (128, 128, 8, 3) holds one program per SM (~224 KB of shared memory), so each
+# program's pipeline fill and output store are exposed, and with few key blocks per program they
+# weigh; two 4-warp (64, 64) programs per SM overlap them. Kernel time (CUDA graph replays, llama
+# shape, bf16, scripts/tune.py --cuda-graphs, 2026-11-30, seventh session): S=512 196.7 against
+# 162.0 TFLOP/s, S=1024 292.7 against 268.3; at S=2048 the table's tile is faster (369.8 against
+# 342.7), and without causal masking it is the fastest at every length measured (512-8192).
+# D=64 / D=256: not measured, the table's entry.
+SHORT_SEQLEN = 1024
+_SHORT_CAUSAL_FWD = {128: C(64, 64, 4, 2)}
+
+
+def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
+    """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
+    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL_FWD` where it has an entry.
+
+    ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared
     memory than an H200 block may have (360 KB with a bias, 240 KB with dropout at D=128, found by
     scripts/compile_check.py), so the key block is capped at 64."""
     cfg = _lookup("fwd", q, causal)
+    short = _SHORT_CAUSAL_FWD.get(padded_head_dim(q.shape[-1]))
+    if (short is not None and causal and 0 < seqlen <= SHORT_SEQLEN and q.element_size() == 2
+            and "fwd" not in _override and _on_device(q)):
+        cfg = short
     if extra_smem and "fwd" not in _override:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64
