@@ -40,9 +40,12 @@ CANDIDATES = configs.CANDIDATES
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def shape_for(D: int, S: int):
-    """(B, Hq, Hkv): llama for D=128, the FlashAttention papers' 16k tokens x hidden 2048 otherwise."""
-    return (4, 32, 8) if D == 128 else (max(1, 16384 // S), 2048 // D, 2048 // D)
+def shape_for(D: int, S: int, shape: str = "auto"):
+    """(B, Hq, Hkv): ``llama`` (B=4, 32 / 8 heads), ``fa`` (the FlashAttention papers' 16k tokens x
+    hidden 2048, no GQA), ``auto``: llama for D=128, fa otherwise."""
+    if shape == "llama" or (shape == "auto" and D == 128):
+        return 4, 32, 8
+    return max(1, 16384 // S), 2048 // D, 2048 // D
 
 
 def make_call(mode, B, S, Hq, Hkv, D, causal, dtype, graphs=False):
@@ -97,8 +100,8 @@ def _compile_jobs(jobs) -> list[str]:
     """Worker: run each (mode, cfg, D, causal, dtype, variant) once on a small problem with the same
     specialization as the timed one (sizes and strides divisible by 16), so Triton caches it."""
     notes = []
-    for mode, cfg, D, causal, dt, variant in jobs:
-        B, Hq, Hkv = shape_for(D, 8192)
+    for mode, cfg, D, causal, dt, variant, shape in jobs:
+        B, Hq, Hkv = shape_for(D, 8192, shape)
         _set_variant(variant, mode)
         t0 = time.perf_counter()
         try:
@@ -131,6 +134,9 @@ def main(argv=None) -> int:
                         "by gradient); default: the candidate list of configs.py")
     p.add_argument("--atomic-dq", action="store_true",
                    help="tune the opt-in atomic-dQ backward (TRITONATTN_ATOMIC_DQ=1)")
+    p.add_argument("--shape", choices=["auto", "llama", "fa"], default="auto",
+                   help="llama: B=4, Hq=32, Hkv=8; fa: 16k tokens x hidden 2048 without GQA; auto: llama at "
+                        "D=128, fa otherwise")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time CUDA graph replays (kernel time without the host's per-call work)")
     args = p.parse_args(argv)
@@ -152,7 +158,8 @@ def main(argv=None) -> int:
                                       for v in args.bwd_variants))
         return args.bwd_variants
 
-    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant) for D in args.head_dims for c in args.causal
+    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant, args.shape) for D in args.head_dims
+            for c in args.causal
             for mode in args.modes for cfg in candidates(D, mode)
             for variant in variants(mode)]
     t0 = time.perf_counter()
@@ -166,9 +173,9 @@ def main(argv=None) -> int:
     print(f"# precompiled {len(plan)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = []
-    for mode, cfg, D, causal, _, variant in plan:
+    for mode, cfg, D, causal, _, variant, _ in plan:
         _set_variant(variant, mode)
-        B, Hq, Hkv = shape_for(D, args.seqlen)
+        B, Hq, Hkv = shape_for(D, args.seqlen, args.shape)
         flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
         flops *= 1.0 if mode == "fwd" else 2.5
         with configs.override(**{mode: C(*cfg)}):
@@ -187,7 +194,7 @@ def main(argv=None) -> int:
               flush=True)
     _set_variant("plain")
 
-    print(f"\n{args.dtype}, S={args.seqlen}, {torch.cuda.get_device_name()}"
+    print(f"\n{args.dtype}, S={args.seqlen}, shape {args.shape}, {torch.cuda.get_device_name()}"
           f"{', CUDA graph replays' if args.cuda_graphs else ''}")
     print("| D | causal | mode | variant | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config "
           "| TFLOP/s |")
@@ -216,6 +223,7 @@ def main(argv=None) -> int:
     # (several runs of one call differ in modes, length or candidates: each keeps its own file)
     name = (f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}"
             f"-{'-'.join(args.modes)}-S{args.seqlen}{'-configs' if args.configs else ''}"
+            f"{'' if args.shape == 'auto' else '-' + args.shape}"
             f"{'-graphs' if args.cuda_graphs else ''}.csv")
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
