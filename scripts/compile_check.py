@@ -148,8 +148,10 @@ def main(argv=None) -> int:
         for dt in args.dtypes:
             for D in (16, 32, 64, 128, 256):
                 for causal in (False, True):
-                    plans.append((f"D{D}-{dt}-{'causal' if causal else 'full'}", D, dtypes[dt],
-                                  dict(win_right=0 if causal else None), {}))
+                    # causal at both lengths: up to configs.SHORT_SEQLEN a short causal forward has its own tile
+                    for s in (256, 2048) if causal else (256,):
+                        plans.append((f"D{D}-{dt}-{'causal' if causal else 'full'}{'-long' if s > 256 else ''}", D,
+                                      dtypes[dt], dict(win_right=0 if causal else None), dict(s=s)))
     else:
         S = 256
         bias = torch.randn(2, 1, S, S)
@@ -162,6 +164,9 @@ def main(argv=None) -> int:
             plans += [
                 (f"plain-{dt}", 128, dtypes[dt], dict(base), {}),
                 (f"plain-long-{dt}", 128, dtypes[dt], dict(base), dict(s=2048)),
+                # the long causal tile with its key block capped for a bias tile and dropout's bits
+                (f"bias-dropout-long-{dt}", 128, dtypes[dt],
+                 dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

@@ -147,7 +147,9 @@ def test_short_causal_forward_tile(monkeypatch):
     assert configs.forward_config(q, False, seqlen=512) == table[(128, 2, False)]
     assert configs.forward_config(q.float(), True, seqlen=512) == table[(128, 4, True)]
     assert configs.forward_config(q[..., :64], True, seqlen=512) == table[(64, 2, True)]
-    assert configs.forward_config(q, True, extra_smem=True, seqlen=512).block_n <= 64
+    assert configs.forward_config(q, True, extra_smem=True, seqlen=512) == short
+    assert table[(128, 2, True)].block_n == 128  # the long tile's key block is capped for a bias / dropout
+    assert configs.forward_config(q, True, extra_smem=True, seqlen=2048) == table[(128, 2, True)]._replace(block_n=64)
     with configs.override(fwd=C(32, 32, 4, 1)):
         assert configs.forward_config(q, True, seqlen=512) == C(32, 32, 4, 1)
     monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
@@ -155,8 +157,9 @@ def test_short_causal_forward_tile(monkeypatch):
 
 
 def test_forward_launcher_passes_the_longest_length(monkeypatch):
-    """attention_forward asks for its tile with max(seqlen_q, seqlen_k) (max_seqlen for varlen)."""
-    from tritonattn import flash_attn_func
+    """attention_forward asks for its tile with max(seqlen_q, seqlen_k): max_seqlen for varlen, the
+    cache's capacity for a kv cache, the block table's span for a paged one (whose k is one page)."""
+    from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
     seen, real = [], configs.forward_config
 
@@ -170,3 +173,16 @@ def test_forward_launcher_passes_the_longest_length(monkeypatch):
     flash_attn_func(q, k, k, causal=True)
     flash_attn_func(k.expand(1, 50, 2, 16), q[:, :, :1], q[:, :, :1])
     assert seen == [(True, 50), (False, 50)]
+    seen.clear()
+    cu = torch.tensor([0, 30, 37], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True)  # max_seqlen_k above the longest
+    assert seen == [(True, 40)]
+    seen.clear()
+    qd = torch.randn(2, 40, 2, 16, dtype=torch.float16)  # 80 query rows per kv head: the forward kernel
+    cache = torch.randn(2, 300, 1, 16, dtype=torch.float16)
+    flash_attn_with_kvcache(qd, cache, cache, cache_seqlens=250, causal=True)
+    pages = torch.randn(12, 16, 1, 16, dtype=torch.float16)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    flash_attn_with_kvcache(qd, pages, pages, cache_seqlens=90, block_table=table, causal=True)
+    assert seen == [(True, 300), (True, 6 * 16)]

@@ -105,6 +105,7 @@ VARIANT_CASES = [
     ("key-padding", 2, 2048, 8, 2, 128, dict(causal=True, keypad=True)),
     ("mask-tile", 1, 1500, 4, 2, 64, dict(mask=True)),
     ("dropout", 2, 1024, 8, 2, 128, dict(causal=True, dropout_p=0.15)),
+    ("dropout-long", 1, 2048, 8, 2, 128, dict(causal=True, dropout_p=0.15)),  # past configs.SHORT_SEQLEN
     ("combined-D80", 1, 1531, 6, 2, 80, dict(causal=True, window_size=(300, -1), softcap=20.0, alibi="H",
                                              bias="B1SS", dropout_p=0.1)),
 ]

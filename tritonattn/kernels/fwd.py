@@ -294,7 +294,9 @@ def attention_forward(q, k, v, var: Variants):
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
     heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
-    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, Sk))
+    # the tile's length: a paged cache (not varlen) passes one page as k, its keys span the block table
+    keys = Sk if var.block_table is None or var.varlen else var.block_table.shape[1] * var.page_size
+    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, keys))
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
                  PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)
