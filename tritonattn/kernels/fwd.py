@@ -294,7 +294,8 @@ def attention_forward(q, k, v, var: Variants):
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
     heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
-    # the tile's length: a paged cache (not varlen) passes one page as k, its keys span the block table
+    # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one
+    # page as k, its keys span the block table
     keys = Sk if var.block_table is None or var.varlen else var.block_table.shape[1] * var.page_size
     cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, keys))
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
@@ -313,5 +314,5 @@ def attention_forward(q, k, v, var: Variants):
                 # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
                 WS=WS and tma and cfg.num_warps >= 8))
 
-    autotune.launch_tuned("fwd", q, var.causal, Sq, Sk, flags, cfg, run)
+    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, flags, cfg, run)
     return b.finish((out, lse))
