@@ -179,8 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="+", choices=ALL_BACKENDS,
                    default=["tritonattn", *PEERS] if on_gpu else ["tritonattn"])
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="decode grid: time each backend's decoding step as a CUDA graph replay (kernel time "
-                        "without host time, as serving engines run it); no effect without a GPU")
+                   help="time every call as a CUDA graph replay (kernel time without host time): each "
+                        "backend's decoding step, as serving engines run it, and the training grids' forward "
+                        "and backward (what the kernels do at short sequences, where eager calls measure the "
+                        "host); no effect without a GPU")
     p.add_argument("--out", default=None, help="folder for results.csv and plots (default: benchmarks/results/<date>)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="measure no new shape after this many seconds; the tables cover what was measured")

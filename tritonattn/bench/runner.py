@@ -251,9 +251,39 @@ def _graphed(fn: Callable) -> Callable:
     return graph.replay
 
 
+def _graphed_mode(fn: Callable, ins, dout: torch.Tensor, mode: str) -> Callable:
+    """A CUDA graph replay of one training-grid call in ``mode``: fwd (without autograd), bwd
+    (``autograd.grad`` of one recorded forward) or fwd+bwd. Forward, warm-up and capture run on one
+    side stream: autograd runs a backward on the stream of its forward."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        if mode == "fwd":
+            def step():
+                with torch.no_grad():
+                    fn()
+        elif mode == "bwd":
+            out = fn()
+
+            def step():
+                torch.autograd.grad(out, ins, dout, retain_graph=True)
+        else:
+            def step():
+                torch.autograd.grad(fn(), ins, dout)
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    return graph.replay
+
+
 def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_graphs: bool = False) -> list[dict]:
     """Time every backend on one shape; a backend that cannot run the shape gets a row with its error.
-    ``cuda_graphs``: decoding shapes are timed as CUDA graph replays of one step (every backend)."""
+    ``cuda_graphs``: every call is timed as a CUDA graph replay (kernel time without host time): a
+    decoding step, or a training grid's forward / backward (a backend or mode that cannot be captured
+    gets a row with its error)."""
     env = env if env is not None else environment()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -284,8 +314,17 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
             # variants compute another function than plain attention: no error figure for them
             err = None if backend in VARIANTS else _out_error(out, ins, shape, backend == "tritonattn")
             dout = torch.randn_like(out)
+            graphed = cuda_graphs and device == "cuda"
+            mode_note = "; ".join(n for n in (note, "CUDA graph" if graphed else "") if n)
             for mode in modes:
-                if mode == "fwd":
+                if graphed:
+                    try:
+                        ms = _bench(_graphed_mode(fn, ins, dout, mode))
+                    except Exception as e:  # noqa: BLE001 - a call that cannot be captured is a result
+                        rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None,
+                                         note=f"CUDA graph: {type(e).__name__}: {str(e).splitlines()[0][:100]}"))
+                        continue
+                elif mode == "fwd":
                     ms = _bench(fn)
                 elif mode == "bwd":
                     out = fn()
@@ -293,7 +332,7 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
                 else:
                     ms = _bench(lambda: fn().backward(dout), grad_to_none=ins)
                 rows.append(dict(base, mode=mode, ms=ms, tflops=shape.flops(mode) / ms * 1e-9, max_err=err,
-                                 peak_mem_gb=None, note=note))
+                                 peak_mem_gb=None, note=mode_note))
             if "fwd+bwd" in modes and device == "cuda":
                 del out
                 torch.cuda.synchronize()
@@ -361,6 +400,8 @@ def print_table(rows: list[dict], file=None) -> None:
         if key not in keys:
             keys.append(key)
     head = ["shape", "mode", *backends, "ratio to best peer"]
+    if any("CUDA graph" in (r.get("note") or "") for r in rows):
+        print("[each call timed as a CUDA graph replay: kernel time, without host time]", file=file)
     print("| " + " | ".join(head) + " |", file=file)
     print("|" + "---|" * len(head), file=file)
     for shape, mode in keys:
