@@ -58,27 +58,18 @@ def make_call(mode, B, S, Hq, Hkv, D, causal, dtype, graphs=False):
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    def forward():
+        return flash_attn_func(q, k, v, causal=causal)
+
     if mode == "fwd":
         def fn():
             with torch.no_grad():
-                return flash_attn_func(q, k, v, causal=causal)
+                return forward()
         return (_graphed(fn) if graphs else fn), None, (q, k, v)
+    dout = torch.randn_like(q)  # the output's shape
     if graphs:
-        # autograd runs a backward on the stream of its forward: both on the capturing stream
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            out = flash_attn_func(q, k, v, causal=causal)
-            dout = torch.randn_like(out)
-            for _ in range(3):
-                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        return graph.replay, None, (q, k, v)
-    out = flash_attn_func(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
+        return _graphed(forward, "bwd", (q, k, v), dout), None, (q, k, v)
+    out = forward()
     return (lambda: out.backward(dout, retain_graph=True)), [q, k, v], (q, k, v)
 
 
@@ -225,11 +216,11 @@ def main(argv=None) -> int:
                     if not sel:
                         continue
                     best = max(sel, key=lambda r: r["tflops"])
-                    table = tuple(configs.table_configs(tma=mode == "fwd" or "tma" in variant.split("+"))[mode][
-                        (D, 2, c == "yes")])
                     if mode == "fwd":  # the library's pick at this length (short causal sequences have their own)
                         table = tuple(configs.forward_config(torch.empty(1, 1, 1, D, dtype=dtype, device="cuda"),
                                                              c == "yes", seqlen=args.seqlen))
+                    else:
+                        table = tuple(configs.table_configs(tma="tma" in variant.split("+"))[mode][(D, 2, c == "yes")])
                     cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                     print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
                           f"| {cur:.1f} |")

@@ -279,11 +279,12 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     memory than an H200 block may have (360 KB with a bias, 240 KB with dropout at D=128, found by
     scripts/compile_check.py), so the key block is capped at 64."""
     cfg = _lookup("fwd", q, causal)
+    if "fwd" in _override:
+        return cfg
     short = _SHORT_CAUSAL_FWD.get(padded_head_dim(q.shape[-1]))
-    if (short is not None and causal and 0 < seqlen <= SHORT_SEQLEN and q.element_size() == 2
-            and "fwd" not in _override and _on_device(q)):
+    if short is not None and causal and 0 < seqlen <= SHORT_SEQLEN and q.element_size() == 2 and _on_device(q):
         cfg = short
-    if extra_smem and "fwd" not in _override:
+    if extra_smem:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64
         if cfg.block_n > cap:

@@ -235,26 +235,13 @@ def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) 
     return (o.float() - ref).abs().max().item()
 
 
-def _graphed(fn: Callable) -> Callable:
-    """A replay of one call of ``fn`` captured in a CUDA graph (warmed up on a side stream first, as
-    PyTorch asks): the kernels' time without the host's per-call work, which is how serving engines
-    run their decoding steps."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def _graphed_mode(fn: Callable, ins, dout: torch.Tensor, mode: str) -> Callable:
-    """A CUDA graph replay of one training-grid call in ``mode``: fwd (without autograd), bwd
-    (``autograd.grad`` of one recorded forward) or fwd+bwd. Forward, warm-up and capture run on one
-    side stream: autograd runs a backward on the stream of its forward."""
+def _graphed(fn: Callable, mode: str | None = None, ins=None, dout: torch.Tensor | None = None) -> Callable:
+    """A replay of one call captured in a CUDA graph (warmed up on a side stream first, as PyTorch
+    asks): the kernels' time without the host's per-call work, which is how serving engines run their
+    decoding steps. ``mode`` None: ``fn()`` as it is (a decoding step); a training grid's "fwd"
+    (``fn`` without autograd), "bwd" (``autograd.grad`` of one recorded forward ``fn()`` into
+    ``ins`` with ``dout``) or "fwd+bwd". Forward, warm-up and capture share the side stream:
+    autograd runs a backward on the stream of its forward."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -267,9 +254,11 @@ def _graphed_mode(fn: Callable, ins, dout: torch.Tensor, mode: str) -> Callable:
 
             def step():
                 torch.autograd.grad(out, ins, dout, retain_graph=True)
-        else:
+        elif mode == "fwd+bwd":
             def step():
                 torch.autograd.grad(fn(), ins, dout)
+        else:
+            step = fn
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
@@ -300,13 +289,12 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
             if device == "cuda":
                 torch.cuda.empty_cache()
             fn, ins, note = make_callable(backend, shape, device)
+            graphed = cuda_graphs and device == "cuda"
+            note = "; ".join(n for n in (note, "CUDA graph" if graphed else "") if n)
             if shape.grid == "decode":  # inference: forward only, bandwidth is the figure of merit
                 with torch.no_grad():
                     fn()
-                    if cuda_graphs and device == "cuda":
-                        fn = _graphed(fn)
-                        note = f"{note}; CUDA graph" if note else "CUDA graph"
-                    ms = _bench(fn)
+                    ms = _bench(_graphed(fn) if graphed else fn)
                 rows.append(dict(base, mode="fwd", ms=ms, tflops=shape.flops("fwd") / ms * 1e-9, max_err=None,
                                  peak_mem_gb=None, gbps=shape.kv_bytes() / ms * 1e-6, note=note))
                 continue
@@ -314,12 +302,10 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
             # variants compute another function than plain attention: no error figure for them
             err = None if backend in VARIANTS else _out_error(out, ins, shape, backend == "tritonattn")
             dout = torch.randn_like(out)
-            graphed = cuda_graphs and device == "cuda"
-            mode_note = "; ".join(n for n in (note, "CUDA graph" if graphed else "") if n)
             for mode in modes:
                 if graphed:
                     try:
-                        ms = _bench(_graphed_mode(fn, ins, dout, mode))
+                        ms = _bench(_graphed(fn, mode, ins, dout))
                     except Exception as e:  # noqa: BLE001 - a call that cannot be captured is a result
                         rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None,
                                          note=f"CUDA graph: {type(e).__name__}: {str(e).splitlines()[0][:100]}"))
@@ -332,7 +318,7 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
                 else:
                     ms = _bench(lambda: fn().backward(dout), grad_to_none=ins)
                 rows.append(dict(base, mode=mode, ms=ms, tflops=shape.flops(mode) / ms * 1e-9, max_err=err,
-                                 peak_mem_gb=None, note=mode_note))
+                                 peak_mem_gb=None, note=note))
             if "fwd+bwd" in modes and device == "cuda":
                 del out
                 torch.cuda.synchronize()

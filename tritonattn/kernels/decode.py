@@ -228,7 +228,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
 # kernel runs and waits for it on the device (griddepcontrol), instead of starting after the split
 # grid's end; for the short decoding steps where a launch gap is a sizeable share of the time.
 # TRITONATTN_DECODE_PDL=1, read once here (tests and scripts/tune_decode.py set the module switch).
-# Off by default: not yet measured on the H200.
+# Off by default: as CUDA graph replays on the H200 it gained nothing (-6% to +0.3% at batch 1 / 8,
+# caches of 4096 / 16384; benchmarks/NOTES.md, 2026-11-30, seventh session).
 PDL = configs.env_flag("TRITONATTN_DECODE_PDL")
 
 
