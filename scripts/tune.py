@@ -40,12 +40,12 @@ CANDIDATES = configs.CANDIDATES
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def shape_for(D: int, S: int, shape: str = "auto"):
+def shape_for(D: int, S: int, shape: str = "auto", batch: int = 0):
     """(B, Hq, Hkv): ``llama`` (B=4, 32 / 8 heads), ``fa`` (the FlashAttention papers' 16k tokens x
-    hidden 2048, no GQA), ``auto``: llama for D=128, fa otherwise."""
+    hidden 2048, no GQA), ``auto``: llama for D=128, fa otherwise; ``batch``: B instead of the shape's."""
     if shape == "llama" or (shape == "auto" and D == 128):
-        return 4, 32, 8
-    return max(1, 16384 // S), 2048 // D, 2048 // D
+        return batch or 4, 32, 8
+    return batch or max(1, 16384 // S), 2048 // D, 2048 // D
 
 
 def make_call(mode, B, S, Hq, Hkv, D, causal, dtype, graphs=False):
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=["auto", "llama", "fa"], default="auto",
                    help="llama: B=4, Hq=32, Hkv=8; fa: 16k tokens x hidden 2048 without GQA; auto: llama at "
                         "D=128, fa otherwise")
+    p.add_argument("--batch", type=int, default=0, help="the batch size instead of the shape's")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time CUDA graph replays (kernel time without the host's per-call work)")
     args = p.parse_args(argv)
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     rows = []
     for mode, cfg, D, causal, _, variant, _ in plan:
         _set_variant(variant, mode)
-        B, Hq, Hkv = shape_for(D, args.seqlen, args.shape)
+        B, Hq, Hkv = shape_for(D, args.seqlen, args.shape, args.batch)
         flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
         flops *= 1.0 if mode == "fwd" else 2.5
         with configs.override(**{mode: C(*cfg)}):
@@ -202,7 +203,8 @@ def main(argv=None) -> int:
               flush=True)
     _set_variant("plain")
 
-    print(f"\n{args.dtype}, S={args.seqlen}, shape {args.shape}, {torch.cuda.get_device_name()}"
+    batch = f" B={args.batch}" if args.batch else ""
+    print(f"\n{args.dtype}, S={args.seqlen}, shape {args.shape}{batch}, {torch.cuda.get_device_name()}"
           f"{', CUDA graph replays' if args.cuda_graphs else ''}")
     print("| D | causal | mode | variant | best config (BLOCK_M, BLOCK_N, warps, stages) | TFLOP/s | table's config "
           "| TFLOP/s |")
@@ -216,11 +218,15 @@ def main(argv=None) -> int:
                     if not sel:
                         continue
                     best = max(sel, key=lambda r: r["tflops"])
-                    if mode == "fwd":  # the library's pick at this length (short causal sequences have their own)
-                        table = tuple(configs.forward_config(torch.empty(1, 1, 1, D, dtype=dtype, device="cuda"),
-                                                             c == "yes", seqlen=args.seqlen))
+                    # the library's pick at this length (short causal sequences have their own)
+                    probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda")
+                    if mode == "fwd":
+                        table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen))
+                    elif mode == "bwd_dq":
+                        table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen))
                     else:
-                        table = tuple(configs.table_configs(tma="tma" in variant.split("+"))[mode][(D, 2, c == "yes")])
+                        table = tuple(configs.backward_dkdv_config(probe, c == "yes", tma="tma" in variant.split("+"),
+                                                                   seqlen=args.seqlen))
                     cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                     print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
                           f"| {cur:.1f} |")
@@ -231,7 +237,7 @@ def main(argv=None) -> int:
     # (several runs of one call differ in modes, length or candidates: each keeps its own file)
     name = (f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}"
             f"-{'-'.join(args.modes)}-S{args.seqlen}{'-configs' if args.configs else ''}"
-            f"{'' if args.shape == 'auto' else '-' + args.shape}"
+            f"{'' if args.shape == 'auto' else '-' + args.shape}{f'-B{args.batch}' if args.batch else ''}"
             f"{'-graphs' if args.cuda_graphs else ''}.csv")
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -131,13 +131,15 @@ def test_dkdv_tile_depends_on_tma(monkeypatch):
         assert configs.backward_dkdv_config(q, True, tma=False) == configs.TileConfig(16, 32, 4, 1)
 
 
-def test_short_causal_forward_tile(monkeypatch):
-    """Causal forwards of at most SHORT_SEQLEN queries and keys take the short-sequence tile (two
-    programs per SM, measured at S=512 / 1024); longer ones, non-causal ones, fp32 and head dims
-    without a measured entry keep the table's; a forced config and the shared-memory caps still win."""
+def test_short_causal_tiles(monkeypatch):
+    """Causal calls of at most SHORT_SEQLEN queries and keys take the short-sequence tiles (forward at
+    D=64 / 128, backward at D=128, measured at S=512 / 1024); longer ones, non-causal ones, fp32 and
+    head dims without a measured entry keep the table's; a forced config and the shared-memory caps
+    still win; the dK/dV tile of a backward without descriptors stays the pointer path's."""
     monkeypatch.setattr(configs, "_on_device", lambda q: True)
-    table = configs.table_configs()["fwd"]
-    short = configs._SHORT_CAUSAL_FWD[128]
+    tables = configs.table_configs()
+    table = tables["fwd"]
+    short = configs._SHORT_CAUSAL["fwd"][128]
     q = torch.empty(1, 1, 1, 96, dtype=torch.bfloat16)
     assert short != table[(128, 2, True)]
     assert configs.forward_config(q, True, seqlen=configs.SHORT_SEQLEN) == short
@@ -146,14 +148,58 @@ def test_short_causal_forward_tile(monkeypatch):
     assert configs.forward_config(q, True) == table[(128, 2, True)]  # length not given
     assert configs.forward_config(q, False, seqlen=512) == table[(128, 2, False)]
     assert configs.forward_config(q.float(), True, seqlen=512) == table[(128, 4, True)]
-    assert configs.forward_config(q[..., :64], True, seqlen=512) == table[(64, 2, True)]
+    q64 = q[..., :64]
+    assert configs.forward_config(q64, True, seqlen=512) == configs._SHORT_CAUSAL["fwd"][64] != table[(64, 2, True)]
+    q256 = torch.empty(1, 1, 1, 256, dtype=torch.float16)
+    assert configs.forward_config(q256, True, seqlen=512) == table[(256, 2, True)]
     assert configs.forward_config(q, True, extra_smem=True, seqlen=512) == short
     assert table[(128, 2, True)].block_n == 128  # the long tile's key block is capped for a bias / dropout
     assert configs.forward_config(q, True, extra_smem=True, seqlen=2048) == table[(128, 2, True)]._replace(block_n=64)
     with configs.override(fwd=C(32, 32, 4, 1)):
         assert configs.forward_config(q, True, seqlen=512) == C(32, 32, 4, 1)
+    # backward
+    for mode, get in (("bwd_dkdv", configs.backward_dkdv_config), ("bwd_dq", configs.backward_dq_config)):
+        short_b = configs._SHORT_CAUSAL[mode][128]
+        assert short_b != tables[mode][(128, 2, True)]
+        assert get(q, True, seqlen=1000) == short_b
+        assert get(q, True, seqlen=1025) == tables[mode][(128, 2, True)]
+        assert get(q, True) == tables[mode][(128, 2, True)]
+        assert get(q, False, seqlen=512) == tables[mode][(128, 2, False)]
+        assert get(q.float(), True, seqlen=512) == tables[mode][(128, 4, True)]
+        assert get(q64, True, seqlen=512) == tables[mode][(64, 2, True)]
+        assert get(q, True, extra_smem=True, seqlen=512).num_stages <= 2
+        with configs.override(**{mode: C(16, 32, 4, 1)}):
+            assert get(q, True, seqlen=512) == C(16, 32, 4, 1)
+    assert configs.backward_dkdv_config(q, True, tma=False, seqlen=512) == configs._POINTER_DKDV[(128, True)]
+    assert configs.backward_dkdv_config(q, True, atomic_dq=True, seqlen=512) == configs._ATOMIC_DKDV[128]
     monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
     assert configs.forward_config(q, True, seqlen=512) == configs._INTERP["fwd"]
+    assert configs.backward_dq_config(q, True, seqlen=512) == configs._INTERP["bwd_dq"]
+
+
+def test_backward_launcher_passes_the_longest_length(monkeypatch):
+    """The backward asks for its dK/dV and dQ tiles with max(seqlen_q, seqlen_k) (varlen: the
+    max_seqlens)."""
+    from tritonattn import flash_attn_func, flash_attn_varlen_func
+
+    seen = []
+    for name in ("backward_dkdv_config", "backward_dq_config"):
+        real = getattr(configs, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("seqlen")))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(configs, name, spy)
+    q = torch.randn(1, 37, 2, 16, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 50, 1, 16, dtype=torch.float16, requires_grad=True)
+    flash_attn_func(q, k, k, causal=True).sum().backward()
+    assert sorted(seen) == [("backward_dkdv_config", 50), ("backward_dq_config", 50)]
+    seen.clear()
+    cu = torch.tensor([0, 30, 37], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True).sum().backward()
+    assert sorted(seen) == [("backward_dkdv_config", 40), ("backward_dq_config", 40)]
 
 
 def test_forward_launcher_passes_the_longest_length(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
 
 from tritonattn import configs, flash_attn_func
+from tritonattn.kernels import bwd
 from tritonattn.testing import random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -56,26 +57,37 @@ def test_every_table_config(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
 
 
-# causal forwards of at most configs.SHORT_SEQLEN queries and keys: the short-sequence tile
+# causal calls of at most configs.SHORT_SEQLEN queries and keys: the short-sequence tiles (forward
+# at D=64 / 128, backward at D=128; D=80 / 96 pad to 128)
 SHORT_CAUSAL_CASES = [(2, 1000, 1000, 8, 2, D, True, dtype) for D in (80, 128) for dtype in (BF16, F16)] + [
     (1, 513, 1024, 4, 4, 96, True, BF16),
     (3, 1024, 77, 8, 1, 128, True, BF16),
     (2, 1, 700, 8, 2, 128, True, F16),
+    (2, 999, 1000, 4, 2, 64, True, BF16),
+    (1, 700, 300, 4, 1, 48, True, F16),
 ]
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
                          ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
-def test_short_causal_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
-    picked, real = [], configs.forward_config
+def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    picked = {}
+    for mode, name in (("fwd", "forward_config"), ("bwd_dkdv", "backward_dkdv_config"),
+                       ("bwd_dq", "backward_dq_config")):
+        real = getattr(configs, name)
 
-    def spy(*args, **kwargs):
-        picked.append(real(*args, **kwargs))
-        return picked[-1]
+        def spy(*args, _real=real, _mode=mode, **kwargs):
+            picked[_mode] = _real(*args, **kwargs)
+            return picked[_mode]
 
-    monkeypatch.setattr(configs, "forward_config", spy)
+        monkeypatch.setattr(configs, name, spy)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
-    assert picked and picked[0] == configs._SHORT_CAUSAL_FWD[128], picked
+    padded = configs.padded_head_dim(D)
+    for mode in ("fwd", "bwd_dkdv", "bwd_dq"):
+        want = configs._SHORT_CAUSAL[mode].get(padded, configs.table_configs()[mode][(padded, 2, True)])
+        if mode == "bwd_dkdv" and (D != padded or not bwd.TMA):  # the pointer path's dK/dV tile
+            continue
+        assert picked[mode] == want, (mode, picked)
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])

@@ -258,21 +258,40 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
     return _SM90[mode][(padded_head_dim(q.shape[-1]), q.element_size(), bool(causal))]
 
 
-# Causal forwards whose queries and keys are all at most SHORT_SEQLEN long, 16-bit, by padded head
-# dim. The table's (128, 128, 8, 3) holds one program per SM (~224 KB of shared memory), so each
-# program's pipeline fill and output store are exposed, and with few key blocks per program they
-# weigh; two 4-warp (64, 64) programs per SM overlap them. Kernel time (CUDA graph replays, llama
-# shape, bf16, scripts/tune.py --cuda-graphs, 2026-11-30, seventh session): S=512 196.7 against
-# 162.0 TFLOP/s, S=1024 292.7 against 268.3; at S=2048 the table's tile is faster (369.8 against
-# 342.7), and without causal masking it is the fastest at every length measured (512-8192).
-# D=64 / D=256: not measured, the table's entry.
+# Causal calls whose queries and keys are all at most SHORT_SEQLEN long, 16-bit, on the GPU: mode ->
+# {padded head dim: config}. Kernel time of CUDA graph replays on the H200 (scripts/tune.py
+# --cuda-graphs, bf16, benchmarks/NOTES.md, seventh and eighth sessions, 2026-11-30):
+# - forward, D=128: the table's (128, 128, 8, 3) holds one program per SM (~224 KB of shared memory),
+#   so each program's pipeline fill and output store are exposed, and with few key blocks per program
+#   they weigh; two 4-warp (64, 64) programs per SM overlap them. llama shape: S=512 196.7 against 162.0
+#   TFLOP/s, S=1024 292.7 against 268.3 (fa shape: 209.7 / 276.4 against 181.1 / 270.9); at S=2048 the
+#   table's tile is faster (369.8 against 342.7). D=64 (fa shape): (64, 64, 4, 3) 214.1 against 199.7
+#   at S=512, 282.7 against 274.7 at S=1024. D=256: the table's tile is the best (no entry).
+# - backward, D=128, llama shape (whole backward, one kernel's tile changed): the table's 128-key dK/dV
+#   tile makes B * Hkv * 4 = 128 programs at S=512 for 132 SMs; (64, 64, 4, 2) makes 256:
+#   0.139 against 0.156 ms at S=512, 0.324 against 0.351 at S=1024. dQ (64, 64, 4, 2): 0.149 against
+#   0.156 ms, 0.344 against 0.352.
+# Without causal masking the table's tiles are the fastest on the llama shape (512-8192).
 SHORT_SEQLEN = 1024
-_SHORT_CAUSAL_FWD = {128: C(64, 64, 4, 2)}
+_SHORT_CAUSAL = {
+    "fwd": {64: C(64, 64, 4, 3), 128: C(64, 64, 4, 2)},
+    "bwd_dkdv": {128: C(64, 64, 4, 2)},
+    "bwd_dq": {128: C(64, 64, 4, 2)},
+}
+
+
+def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:
+    """The :data:`_SHORT_CAUSAL` entry of a call (``seqlen``: its longest query or key length, 0 when
+    not known), or None."""
+    if not causal or not 0 < seqlen <= SHORT_SEQLEN or mode in _override or q.element_size() != 2 \
+            or not _on_device(q):
+        return None
+    return _SHORT_CAUSAL[mode].get(padded_head_dim(q.shape[-1]))
 
 
 def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
     """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
-    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL_FWD` where it has an entry.
+    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one.
 
     ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared
@@ -281,9 +300,7 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     cfg = _lookup("fwd", q, causal)
     if "fwd" in _override:
         return cfg
-    short = _SHORT_CAUSAL_FWD.get(padded_head_dim(q.shape[-1]))
-    if short is not None and causal and 0 < seqlen <= SHORT_SEQLEN and q.element_size() == 2 and _on_device(q):
-        cfg = short
+    cfg = _short_causal("fwd", q, causal, seqlen) or cfg
     if extra_smem:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64
@@ -320,20 +337,24 @@ _ATOMIC_DKDV = {128: C(64, 128, 8, 3), 256: C(32, 128, 8, 2)}
 
 
 def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False,
-                         atomic_dq: bool = False, tma: bool = True) -> TileConfig:
+                         atomic_dq: bool = False, tma: bool = True, seqlen: int = 0) -> TileConfig:
     """``tma``: the call's Q / dO tiles come through tensor descriptors (the table's entries were
-    tuned that way); without, :data:`_POINTER_DKDV` where it has an entry."""
+    tuned that way); without, :data:`_POINTER_DKDV` where it has an entry. ``seqlen`` as for
+    :func:`forward_config` (the short causal tile was measured with descriptors only)."""
     d = padded_head_dim(q.shape[-1])
     tables = "bwd_dkdv" not in _override and q.element_size() == 2 and _on_device(q)
     if atomic_dq and d in _ATOMIC_DKDV and tables:
         cfg = _ATOMIC_DKDV[d]
         return cfg._replace(num_stages=2) if extra_smem else cfg
     base = _POINTER_DKDV.get((d, bool(causal))) if not tma and tables else None
+    if tma:
+        base = _short_causal("bwd_dkdv", q, causal, seqlen)
     return _backward_config("bwd_dkdv", q, causal, extra_smem, base)
 
 
-def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False) -> TileConfig:
-    return _backward_config("bwd_dq", q, causal, extra_smem)
+def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
+    """``seqlen`` as for :func:`forward_config`."""
+    return _backward_config("bwd_dq", q, causal, extra_smem, _short_causal("bwd_dq", q, causal, seqlen))
 
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:

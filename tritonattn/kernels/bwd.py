@@ -681,7 +681,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
                 ))
 
-    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma)
+    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
+                                      seqlen=max(Sq, Sk))
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
     autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
 
@@ -732,7 +733,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_arg
             **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
 
-    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem)
+    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=max(Sq, Sk))
     autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
 
 
