@@ -111,9 +111,10 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256):
-        # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile)
-        B, S, Hq, Hkv = 2, s, 4, 2
+                 s=256, b=2):
+        # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
+        # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
+        B, S, Hq, Hkv = b, s, 4, 2
         # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))
         if varlen:
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
+                # the short forward's tile for many query tiles (configs.WIDE_PROGRAMS; plain calls only)
+                (f"full-wide-{dt}", 128, dtypes[dt], {}, dict(b=256)),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

@@ -177,6 +177,33 @@ def test_short_causal_tiles(monkeypatch):
     assert configs.backward_dq_config(q, True, seqlen=512) == configs._INTERP["bwd_dq"]
 
 
+def test_short_wide_forward_tile(monkeypatch):
+    """Forwards without causal masking of at most SHORT_SEQLEN queries and keys with at least
+    WIDE_PROGRAMS 128-row query tiles take their own tile; fewer tiles, longer or causal calls, fp32,
+    other head dims and a forced config keep what they had."""
+    monkeypatch.setattr(configs, "_on_device", lambda q: True)
+    table = configs.table_configs()["fwd"]
+    wide = configs._SHORT_WIDE_FWD[128]
+    assert wide != table[(128, 2, False)]
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(32, 512, 16, 128)  # 2048 tiles
+    assert configs.forward_config(q, False, seqlen=512) == wide
+    assert configs.forward_config(q[:, :-1], False, seqlen=512) == table[(128, 2, False)]  # 2047 tiles
+    assert configs.forward_config(q, False, seqlen=configs.SHORT_SEQLEN + 1) == table[(128, 2, False)]
+    assert configs.forward_config(q, False) == table[(128, 2, False)]
+    assert configs.forward_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["fwd"][128]
+    assert configs.forward_config(q.float(), False, seqlen=512) == table[(128, 4, False)]
+    assert configs.forward_config(q[..., :64], False, seqlen=512) == table[(64, 2, False)]
+    assert configs.forward_config(q[..., :96], False, seqlen=512) == wide  # pads to 128
+    # a bias / mask / dropout (unmeasured; the tile spills more): the table's, its key block capped
+    assert configs.forward_config(q, False, extra_smem=True, seqlen=512) == table[(128, 2, False)]._replace(block_n=64)
+    varlen = torch.empty(1, 1, 128, dtype=torch.float16).expand(16384, 16, 128)  # total tokens x heads
+    assert configs.forward_config(varlen, False, seqlen=1024) == wide
+    with configs.override(fwd=C(32, 32, 4, 1)):
+        assert configs.forward_config(q, False, seqlen=512) == C(32, 32, 4, 1)
+    monkeypatch.setattr(configs, "_on_device", lambda q: False)
+    assert configs.forward_config(q, False, seqlen=512) == configs._INTERP["fwd"]
+
+
 def test_backward_launcher_passes_the_longest_length(monkeypatch):
     """The backward asks for its dK/dV and dQ tiles with max(seqlen_q, seqlen_k) (varlen: the
     max_seqlens)."""

@@ -90,6 +90,24 @@ def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkey
         assert picked[mode] == want, (mode, picked)
 
 
+# forwards without causal masking, short and with many query tiles (configs.WIDE_PROGRAMS)
+SHORT_WIDE_CASES = [(32, 512, 512, 16, 16, 128, False, BF16), (16, 1000, 1024, 16, 4, 96, False, F16),
+                    (64, 300, 257, 16, 8, 128, False, BF16)]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_WIDE_CASES, ids=[case_id(*c) for c in SHORT_WIDE_CASES])
+def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    picked, real = [], configs.forward_config
+
+    def spy(*args, **kwargs):
+        picked.append(real(*args, **kwargs))
+        return picked[-1]
+
+    monkeypatch.setattr(configs, "forward_config", spy)
+    _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+    assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
+
+
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
 def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)

@@ -271,8 +271,19 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #   tile makes B * Hkv * 4 = 128 programs at S=512 for 132 SMs; (64, 64, 4, 2) makes 256:
 #   0.139 against 0.156 ms at S=512, 0.324 against 0.351 at S=1024. dQ (64, 64, 4, 2): 0.149 against
 #   0.156 ms, 0.344 against 0.352.
-# Without causal masking the table's tiles are the fastest on the llama shape (512-8192).
+# - forward without causal masking, D=128: (128, 64, 4, 2), two 4-warp programs per SM, wins where
+#   the call has many query tiles (rows x heads / 128 >= WIDE_PROGRAMS) and loses where it has few
+#   (eighth session, TFLOP/s against the table's (128, 128, 8, 3)):
+#     fa B=32 S=512 (2048 tiles) 328.5 / 288.1, fa B=16 S=1024 (2048) 398.9 / 372.6,
+#     llama B=16 S=512 (2048) 392.7 / 366.8; llama B=4 S=512 (512) 258.1 / 275.3,
+#     llama B=4 S=1024 (1024) 324.4 / 372.1, fa B=8 S=1024 (1024, K/V 64 MB) 285.2 / 298.3.
+#   The K/V bytes against L2 do not separate these; the count does. At S=2048 (llama B=4, 2048 tiles)
+#   the table's tile was 16% faster (seventh session): this tile is for short calls only. It spills
+#   120 bytes per thread plain and 624 with a bias tile (scripts/compile_check.py): calls with a bias,
+#   mask or dropout (unmeasured) keep the table's.
 SHORT_SEQLEN = 1024
+WIDE_PROGRAMS = 2048
+_SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
     "fwd": {64: C(64, 64, 4, 3), 128: C(64, 64, 4, 2)},
     "bwd_dkdv": {128: C(64, 64, 4, 2)},
@@ -289,9 +300,21 @@ def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> Tile
     return _SHORT_CAUSAL[mode].get(padded_head_dim(q.shape[-1]))
 
 
+def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:
+    """:data:`_SHORT_WIDE_FWD`'s entry for a forward without causal masking of at most SHORT_SEQLEN
+    queries and keys and at least WIDE_PROGRAMS 128-row query tiles (``q``'s rows x heads: varlen's
+    total tokens), or None."""
+    if causal or not 0 < seqlen <= SHORT_SEQLEN or "fwd" in _override or q.element_size() != 2 \
+            or not _on_device(q):
+        return None
+    tiles = q.numel() // max(1, q.shape[-1]) // 128
+    return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
+
+
 def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
     """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
-    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one.
+    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and calls
+    without causal masking with many query tiles and no bias, mask or dropout :data:`_SHORT_WIDE_FWD`'s.
 
     ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared
@@ -300,7 +323,7 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     cfg = _lookup("fwd", q, causal)
     if "fwd" in _override:
         return cfg
-    cfg = _short_causal("fwd", q, causal, seqlen) or cfg
+    cfg = _short_causal("fwd", q, causal, seqlen) or (None if extra_smem else _short_wide(q, causal, seqlen)) or cfg
     if extra_smem:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64

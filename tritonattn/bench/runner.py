@@ -298,7 +298,11 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
                 rows.append(dict(base, mode="fwd", ms=ms, tflops=shape.flops("fwd") / ms * 1e-9, max_err=None,
                                  peak_mem_gb=None, gbps=shape.kv_bytes() / ms * 1e-6, note=note))
                 continue
-            out = fn()
+            # without autograd: a recorded forward kept alive would hold the inputs' AccumulateGrad nodes on
+            # this stream, and a backward captured on the graph's side stream then syncs with it (the
+            # capture fails, and the failed capture leaves the RNG state unusable for every later call)
+            with torch.no_grad():
+                out = fn()
             # variants compute another function than plain attention: no error figure for them
             err = None if backend in VARIANTS else _out_error(out, ins, shape, backend == "tritonattn")
             dout = torch.randn_like(out)
