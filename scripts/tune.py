@@ -218,15 +218,18 @@ def main(argv=None) -> int:
                     if not sel:
                         continue
                     best = max(sel, key=lambda r: r["tflops"])
-                    # the library's pick at this length (short causal sequences have their own)
-                    probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda")
+                    # the library's pick for this call (short sequences have tiles of their own, and a
+                    # short plain forward one by its number of query tiles: q's real shape)
+                    B, Hq, _ = shape_for(D, args.seqlen, args.shape, args.batch)
+                    probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda").expand(B, args.seqlen, Hq, D)
+                    tma = "tma" in variant.split("+")
                     if mode == "fwd":
-                        table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen))
+                        table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen, plain=c == "no"))
                     elif mode == "bwd_dq":
-                        table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen))
+                        table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen, tma=tma))
                     else:
-                        table = tuple(configs.backward_dkdv_config(probe, c == "yes", tma="tma" in variant.split("+"),
-                                                                   seqlen=args.seqlen))
+                        table = tuple(configs.backward_dkdv_config(probe, c == "yes", tma=tma, seqlen=args.seqlen,
+                                                                   atomic_dq=args.atomic_dq))
                     cur = next((r["tflops"] for r in sel if r["cfg"] == table), float("nan"))
                     print(f"| {D} | {c} | {mode} | {variant} | {best['cfg']} | {best['tflops']:.1f} | {table} "
                           f"| {cur:.1f} |")

@@ -135,7 +135,7 @@ def test_short_causal_tiles(monkeypatch):
     """Causal calls of at most SHORT_SEQLEN queries and keys take the short-sequence tiles (forward at
     D=64 / 128, backward at D=128, measured at S=512 / 1024); longer ones, non-causal ones, fp32 and
     head dims without a measured entry keep the table's; a forced config and the shared-memory caps
-    still win; the dK/dV tile of a backward without descriptors stays the pointer path's."""
+    still win; backward tiles of calls without descriptors stay the pointer path's / the table's."""
     monkeypatch.setattr(configs, "_on_device", lambda q: True)
     tables = configs.table_configs()
     table = tables["fwd"]
@@ -167,10 +167,11 @@ def test_short_causal_tiles(monkeypatch):
         assert get(q, False, seqlen=512) == tables[mode][(128, 2, False)]
         assert get(q.float(), True, seqlen=512) == tables[mode][(128, 4, True)]
         assert get(q64, True, seqlen=512) == tables[mode][(64, 2, True)]
-        assert get(q, True, extra_smem=True, seqlen=512).num_stages <= 2
+        assert get(q, True, extra_smem=True, seqlen=512) == short_b  # two stages already
         with configs.override(**{mode: C(16, 32, 4, 1)}):
             assert get(q, True, seqlen=512) == C(16, 32, 4, 1)
     assert configs.backward_dkdv_config(q, True, tma=False, seqlen=512) == configs._POINTER_DKDV[(128, True)]
+    assert configs.backward_dq_config(q, True, tma=False, seqlen=512) == tables["bwd_dq"][(128, 2, True)]
     assert configs.backward_dkdv_config(q, True, atomic_dq=True, seqlen=512) == configs._ATOMIC_DKDV[128]
     monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
     assert configs.forward_config(q, True, seqlen=512) == configs._INTERP["fwd"]
@@ -178,30 +179,64 @@ def test_short_causal_tiles(monkeypatch):
 
 
 def test_short_wide_forward_tile(monkeypatch):
-    """Forwards without causal masking of at most SHORT_SEQLEN queries and keys with at least
-    WIDE_PROGRAMS 128-row query tiles take their own tile; fewer tiles, longer or causal calls, fp32,
-    other head dims and a forced config keep what they had."""
+    """Plain forwards (no causal mask, no variant, dense) of at most SHORT_SEQLEN queries and keys with
+    at least WIDE_PROGRAMS 128-row query tiles take their own tile; fewer tiles, longer, causal or
+    not plain calls, fp32, other head dims and a forced config keep what they had."""
     monkeypatch.setattr(configs, "_on_device", lambda q: True)
     table = configs.table_configs()["fwd"]
     wide = configs._SHORT_WIDE_FWD[128]
     assert wide != table[(128, 2, False)]
     q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(32, 512, 16, 128)  # 2048 tiles
-    assert configs.forward_config(q, False, seqlen=512) == wide
-    assert configs.forward_config(q[:, :-1], False, seqlen=512) == table[(128, 2, False)]  # 2047 tiles
-    assert configs.forward_config(q, False, seqlen=configs.SHORT_SEQLEN + 1) == table[(128, 2, False)]
-    assert configs.forward_config(q, False) == table[(128, 2, False)]
-    assert configs.forward_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["fwd"][128]
-    assert configs.forward_config(q.float(), False, seqlen=512) == table[(128, 4, False)]
-    assert configs.forward_config(q[..., :64], False, seqlen=512) == table[(64, 2, False)]
-    assert configs.forward_config(q[..., :96], False, seqlen=512) == wide  # pads to 128
-    # a bias / mask / dropout (unmeasured; the tile spills more): the table's, its key block capped
-    assert configs.forward_config(q, False, extra_smem=True, seqlen=512) == table[(128, 2, False)]._replace(block_n=64)
-    varlen = torch.empty(1, 1, 128, dtype=torch.float16).expand(16384, 16, 128)  # total tokens x heads
-    assert configs.forward_config(varlen, False, seqlen=1024) == wide
+
+    def pick(q, causal=False, seqlen=512, plain=True, **kw):
+        return configs.forward_config(q, causal, seqlen=seqlen, plain=plain, **kw)
+
+    assert pick(q) == wide
+    # one tile fewer than WIDE_PROGRAMS (2047 x 128 rows x 1 head / 128)
+    assert pick(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(2047, 128, 1, 128)) == table[(128, 2, False)]
+    assert pick(q, plain=False) == table[(128, 2, False)]  # a variant, varlen or kv cache
+    assert pick(q, seqlen=configs.SHORT_SEQLEN + 1) == table[(128, 2, False)]
+    assert pick(q, seqlen=0) == table[(128, 2, False)]  # length not given
+    assert pick(q, causal=True) == configs._SHORT_CAUSAL["fwd"][128]
+    assert pick(q.float()) == table[(128, 4, False)]
+    assert pick(q[..., :64]) == table[(64, 2, False)]
+    assert pick(q[..., :96]) == wide  # pads to 128
     with configs.override(fwd=C(32, 32, 4, 1)):
-        assert configs.forward_config(q, False, seqlen=512) == C(32, 32, 4, 1)
+        assert pick(q) == C(32, 32, 4, 1)
     monkeypatch.setattr(configs, "_on_device", lambda q: False)
-    assert configs.forward_config(q, False, seqlen=512) == configs._INTERP["fwd"]
+    assert pick(q) == configs._INTERP["fwd"]
+
+
+def test_plain_variants():
+    """Variants.plain (what the wide tile asks for) is False for every option but the scale."""
+    from tritonattn.kernels.variants import MASK_KEYS, Variants
+
+    assert Variants(softmax_scale=0.1).plain
+    t = torch.zeros(2, dtype=torch.int32)
+    for options in (dict(win_right=0), dict(win_left=8), dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)),
+                    dict(bias=torch.zeros(1)), dict(mask=t, mask_kind=MASK_KEYS), dict(dropout_p=0.1),
+                    dict(cu_seqlens_q=t, cu_seqlens_k=t), dict(kv_lens=t), dict(block_table=t)):
+        assert not Variants(softmax_scale=0.1, **options).plain, options
+
+
+def test_forward_launcher_passes_plain(monkeypatch):
+    """attention_forward tells forward_config whether the call is plain."""
+    from tritonattn import flash_attn_func, flash_attn_varlen_func
+
+    seen, real = [], configs.forward_config
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("plain"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(configs, "forward_config", spy)
+    q = torch.randn(1, 20, 2, 16, dtype=torch.float16)
+    flash_attn_func(q, q, q)
+    flash_attn_func(q, q, q, causal=True)
+    flash_attn_func(q, q, q, softcap=3.0)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20)
+    assert seen == [True, False, False, False]
 
 
 def test_backward_launcher_passes_the_longest_length(monkeypatch):
@@ -223,6 +258,10 @@ def test_backward_launcher_passes_the_longest_length(monkeypatch):
     flash_attn_func(q, k, k, causal=True).sum().backward()
     assert sorted(seen) == [("backward_dkdv_config", 50), ("backward_dq_config", 50)]
     seen.clear()
+    q2 = torch.randn(1, 61, 2, 16, dtype=torch.float16, requires_grad=True)  # more queries than keys
+    flash_attn_func(q2, k, k).sum().backward()
+    assert sorted(seen) == [("backward_dkdv_config", 61), ("backward_dq_config", 61)]
+    seen.clear()
     cu = torch.tensor([0, 30, 37], dtype=torch.int32)
     cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
     flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True).sum().backward()
@@ -236,9 +275,9 @@ def test_forward_launcher_passes_the_longest_length(monkeypatch):
 
     seen, real = [], configs.forward_config
 
-    def spy(q, causal, extra_smem=False, seqlen=0):
+    def spy(q, causal, extra_smem=False, seqlen=0, plain=False):
         seen.append((causal, seqlen))
-        return real(q, causal, extra_smem, seqlen)
+        return real(q, causal, extra_smem, seqlen, plain)
 
     monkeypatch.setattr(configs, "forward_config", spy)
     q = torch.randn(1, 37, 2, 16, dtype=torch.float16)

@@ -171,11 +171,13 @@ _DECODE_INTERP = C(0, 32, 4, 1)
 # use 64's). (BLOCK_M, BLOCK_N, num_warps, num_stages); for bwd_dkdv BLOCK_N is the key block the
 # program owns.
 _FWD = [C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 128, 8, 2), C(128, 128, 8, 3), C(128, 64, 4, 3),
-        C(64, 64, 4, 3), C(64, 128, 4, 3), C(128, 32, 4, 4), C(128, 32, 8, 4), C(64, 32, 4, 4)]
+        C(64, 64, 4, 3), C(64, 128, 4, 3), C(128, 32, 4, 4), C(128, 32, 8, 4), C(64, 32, 4, 4),
+        C(64, 64, 4, 2), C(128, 64, 4, 2)]  # (the short tiles, _SHORT_CAUSAL / _SHORT_WIDE_FWD)
 _DKDV = [C(64, 128, 8, 2), C(32, 128, 8, 2), C(32, 128, 8, 3), C(16, 128, 8, 3), C(32, 128, 4, 3),
-         C(32, 128, 4, 4), C(64, 64, 4, 3), C(64, 64, 8, 3), C(32, 64, 4, 3), C(16, 64, 4, 4), C(64, 128, 8, 3)]
+         C(32, 128, 4, 4), C(64, 64, 4, 3), C(64, 64, 8, 3), C(32, 64, 4, 3), C(16, 64, 4, 4), C(64, 128, 8, 3),
+         C(64, 64, 4, 2)]
 _DQ = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(128, 32, 4, 3), C(64, 64, 4, 3),
-       C(64, 32, 4, 4), C(128, 128, 8, 2), C(64, 128, 8, 2), C(128, 32, 8, 4)]
+       C(64, 32, 4, 4), C(128, 128, 8, 2), C(64, 128, 8, 2), C(128, 32, 8, 4), C(64, 64, 4, 2)]
 CANDIDATES = {
     64: {"fwd": _FWD, "bwd_dkdv": _DKDV, "bwd_dq": _DQ},
     128: {"fwd": _FWD, "bwd_dq": _DQ,
@@ -233,9 +235,10 @@ _POINTER_DKDV = {
 
 
 def table_configs(tma: bool = True) -> dict[str, dict[tuple[int, int, bool], TileConfig]]:
-    """Every config the GPU table can pick for backwards with (``tma``) or without tensor
-    descriptors (the GPU test tier runs each of them: power-of-two head dims take the descriptor
-    path there, the others pointers)."""
+    """Every config of the GPU table for backwards with (``tma``) or without tensor descriptors (the
+    GPU test tier runs each of them: power-of-two head dims take the descriptor path there, the
+    others pointers). Short calls' tiles (:data:`_SHORT_CAUSAL`, :data:`_SHORT_WIDE_FWD`) are not in
+    it: their own GPU tests run them."""
     if tma:
         return _SM90
     dkdv = dict(_SM90["bwd_dkdv"])
@@ -279,8 +282,9 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #     llama B=4 S=1024 (1024) 324.4 / 372.1, fa B=8 S=1024 (1024, K/V 64 MB) 285.2 / 298.3.
 #   The K/V bytes against L2 do not separate these; the count does. At S=2048 (llama B=4, 2048 tiles)
 #   the table's tile was 16% faster (seventh session): this tile is for short calls only. It spills
-#   120 bytes per thread plain and 624 with a bias tile (scripts/compile_check.py): calls with a bias,
-#   mask or dropout (unmeasured) keep the table's.
+#   120 bytes per thread plain and 624 with a bias tile (scripts/compile_check.py), and it was measured
+#   on plain dense calls only: calls with any variant (window, softcap, ALiBi, bias, mask, dropout),
+#   varlen and kv-cache calls keep the table's (Variants.plain).
 SHORT_SEQLEN = 1024
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -301,9 +305,9 @@ def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> Tile
 
 
 def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:
-    """:data:`_SHORT_WIDE_FWD`'s entry for a forward without causal masking of at most SHORT_SEQLEN
-    queries and keys and at least WIDE_PROGRAMS 128-row query tiles (``q``'s rows x heads: varlen's
-    total tokens), or None."""
+    """:data:`_SHORT_WIDE_FWD`'s entry for a plain forward (no causal mask, see forward_config's
+    ``plain``) of at most SHORT_SEQLEN queries and keys and at least WIDE_PROGRAMS 128-row query tiles
+    (``q``'s rows x heads), or None."""
     if causal or not 0 < seqlen <= SHORT_SEQLEN or "fwd" in _override or q.element_size() != 2 \
             or not _on_device(q):
         return None
@@ -311,10 +315,12 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
-def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
+def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,
+                   plain: bool = False) -> TileConfig:
     """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
-    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and calls
-    without causal masking with many query tiles and no bias, mask or dropout :data:`_SHORT_WIDE_FWD`'s.
+    calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and
+    ``plain`` calls (:attr:`Variants.plain`: dense, no mask of any kind, no other variant) with many
+    query tiles :data:`_SHORT_WIDE_FWD`'s.
 
     ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared
@@ -323,7 +329,7 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     cfg = _lookup("fwd", q, causal)
     if "fwd" in _override:
         return cfg
-    cfg = _short_causal("fwd", q, causal, seqlen) or (None if extra_smem else _short_wide(q, causal, seqlen)) or cfg
+    cfg = _short_causal("fwd", q, causal, seqlen) or (_short_wide(q, causal, seqlen) if plain else None) or cfg
     if extra_smem:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64
@@ -375,9 +381,12 @@ def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False
     return _backward_config("bwd_dkdv", q, causal, extra_smem, base)
 
 
-def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
-    """``seqlen`` as for :func:`forward_config`."""
-    return _backward_config("bwd_dq", q, causal, extra_smem, _short_causal("bwd_dq", q, causal, seqlen))
+def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,
+                       tma: bool = True) -> TileConfig:
+    """``seqlen`` as for :func:`forward_config`; ``tma``: the call's K / V tiles come through tensor
+    descriptors (the short causal tile was measured that way only)."""
+    short = _short_causal("bwd_dq", q, causal, seqlen) if tma else None
+    return _backward_config("bwd_dq", q, causal, extra_smem, short)
 
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:

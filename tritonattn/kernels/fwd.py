@@ -297,7 +297,7 @@ def attention_forward(q, k, v, var: Variants):
     # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one
     # page as k, its keys span the block table
     keys = Sk if var.block_table is None or var.varlen else var.block_table.shape[1] * var.page_size
-    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, keys))
+    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, keys), plain=var.plain)
     flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
                  PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)

@@ -96,6 +96,14 @@ class Variants:
         self.kv_page_strides = (k_cache.stride(0), v_cache.stride(0))
 
     @property
+    def plain(self) -> bool:
+        """Dense attention with no option but the scale: no causal mask or window, softcap, ALiBi,
+        bias, mask or dropout, not varlen, no kv cache (what a tile measured on plain calls may take)."""
+        return (self.win_left is None and self.win_right is None and self.softcap == 0 and self.alibi_slopes is None
+                and self.bias is None and self.mask is None and self.dropout_p == 0 and not self.varlen
+                and self.kv_lens is None and self.block_table is None)
+
+    @property
     def extra_smem(self) -> bool:
         """A bias or mask tile is read next to each score tile, or dropout's random bits are
         reshaped: the tile configs leave room for them (see configs.forward_config)."""
