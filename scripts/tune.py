@@ -48,37 +48,44 @@ def shape_for(D: int, S: int, shape: str = "auto", batch: int = 0):
     return batch or max(1, 16384 // S), 2048 // D, 2048 // D
 
 
-def make_call(mode, B, S, Hq, Hkv, D, causal, dtype, graphs=False):
+def make_call(mode, B, S, Hq, Hkv, D, causal, dtype, graphs=False, varlen=False, device="cuda"):
     """(call, tensors whose grads to reset, inputs). ``graphs``: the call as a CUDA graph replay (the
-    backward through autograd.grad, which accumulates nothing)."""
-    from tritonattn import flash_attn_func
+    backward through autograd.grad, which accumulates nothing). ``varlen``: the B sequences packed
+    (flash_attn_varlen_func, equal lengths: the dense call's work)."""
+    from tritonattn import flash_attn_func, flash_attn_varlen_func
     from tritonattn.bench.runner import _graphed
 
     torch.manual_seed(0)
-    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    lead = (B * S,) if varlen else (B, S)
+    q = torch.randn(*lead, Hq, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(*lead, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(*lead, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * S
+
     def forward():
+        if varlen:
+            return flash_attn_varlen_func(q, k, v, cu, cu, S, S, causal=causal)
         return flash_attn_func(q, k, v, causal=causal)
 
     if mode == "fwd":
         def fn():
             with torch.no_grad():
                 return forward()
-        return (_graphed(fn) if graphs else fn), None, (q, k, v)
+        return (_graphed(fn) if graphs else fn), None, (q, k, v, forward)
     dout = torch.randn_like(q)  # the output's shape
     if graphs:
-        return _graphed(forward, "bwd", (q, k, v), dout), None, (q, k, v)
+        return _graphed(forward, "bwd", (q, k, v), dout), None, (q, k, v, forward)
     out = forward()
-    return (lambda: out.backward(dout, retain_graph=True)), [q, k, v], (q, k, v)
+    return (lambda: out.backward(dout, retain_graph=True)), [q, k, v], (q, k, v, forward)
 
 
-def forward_error(q, k, v, causal: bool) -> float:
-    """Largest |out - reference| of the forced forward config (fp32 reference, GQA by repetition)."""
-    from tritonattn import flash_attn_func
-
+def forward_error(q, k, v, forward, causal: bool, S: int) -> float:
+    """Largest |out - reference| of the forced forward config (fp32 reference, GQA by repetition);
+    packed varlen inputs are compared as (B, S, H, D)."""
     with torch.no_grad():
-        out = flash_attn_func(q, k, v, causal=causal).float()
+        out = forward().float()
+        if q.dim() == 3:
+            q, k, v, out = (t.view(-1, S, *t.shape[1:]) for t in (q, k, v, out))
         g = q.shape[2] // k.shape[2]
         qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
         ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal).transpose(1, 2)
@@ -103,13 +110,13 @@ def _compile_jobs(jobs) -> list[str]:
     """Worker: run each (mode, cfg, D, causal, dtype, variant) once on a small problem with the same
     specialization as the timed one (sizes and strides divisible by 16), so Triton caches it."""
     notes = []
-    for mode, cfg, D, causal, dt, variant, shape in jobs:
+    for mode, cfg, D, causal, dt, variant, shape, varlen in jobs:
         B, Hq, Hkv = shape_for(D, 8192, shape)
         _set_variant(variant, mode)
         t0 = time.perf_counter()
         try:
             with configs.override(**{mode: C(*cfg)}):
-                fn, _, _ = make_call(mode, 1, 256, Hq, Hkv, D, causal, DTYPES[dt])
+                fn, _, _ = make_call(mode, 1, 256, Hq, Hkv, D, causal, DTYPES[dt], varlen=varlen)
                 fn()
                 torch.cuda.synchronize()
             notes.append(f"compiled {mode} {variant} {cfg} D={D} causal={causal} in {time.perf_counter() - t0:.1f} s")
@@ -141,6 +148,8 @@ def main(argv=None) -> int:
                    help="llama: B=4, Hq=32, Hkv=8; fa: 16k tokens x hidden 2048 without GQA; auto: llama at "
                         "D=128, fa otherwise")
     p.add_argument("--batch", type=int, default=0, help="the batch size instead of the shape's")
+    p.add_argument("--varlen", action="store_true",
+                   help="the batch's sequences packed, through flash_attn_varlen_func (equal lengths)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time CUDA graph replays (kernel time without the host's per-call work)")
     args = p.parse_args(argv)
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
                                       for v in args.bwd_variants))
         return args.bwd_variants
 
-    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant, args.shape) for D in args.head_dims
+    plan = [(mode, tuple(cfg), D, c == "yes", args.dtype, variant, args.shape, args.varlen) for D in args.head_dims
             for c in args.causal
             for mode in args.modes for cfg in candidates(D, mode)
             for variant in variants(mode)]
@@ -177,14 +186,15 @@ def main(argv=None) -> int:
     print(f"# precompiled {len(plan)} candidates in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = []
-    for mode, cfg, D, causal, _, variant, _ in plan:
+    for mode, cfg, D, causal, _, variant, _, _ in plan:
         _set_variant(variant, mode)
         B, Hq, Hkv = shape_for(D, args.seqlen, args.shape, args.batch)
         flops = 4.0 * B * Hq * args.seqlen * args.seqlen * D * (0.5 if causal else 1.0)
         flops *= 1.0 if mode == "fwd" else 2.5
         with configs.override(**{mode: C(*cfg)}):
             try:
-                fn, grads, inputs = make_call(mode, B, args.seqlen, Hq, Hkv, D, causal, dtype, args.cuda_graphs)
+                fn, grads, inputs = make_call(mode, B, args.seqlen, Hq, Hkv, D, causal, dtype, args.cuda_graphs,
+                                              args.varlen)
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
                 tf, note = flops / ms * 1e-9, ""
             except Exception as e:  # noqa: BLE001 - a config that cannot launch is a result
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
             err = float("nan")
             if mode == "fwd" and inputs is not None:
                 try:  # (the reference can run out of memory where the kernel did not)
-                    err = forward_error(*inputs, causal)
+                    err = forward_error(*inputs, causal, args.seqlen)
                 except Exception as e:  # noqa: BLE001
                     note = f"no error check: {type(e).__name__}"
         torch.cuda.empty_cache()
@@ -224,7 +234,8 @@ def main(argv=None) -> int:
                     probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda").expand(B, args.seqlen, Hq, D)
                     tma = "tma" in variant.split("+")
                     if mode == "fwd":
-                        table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen, plain=c == "no"))
+                        table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen,
+                                                             plain=c == "no" and not args.varlen))
                     elif mode == "bwd_dq":
                         table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen, tma=tma))
                     else:
@@ -241,6 +252,7 @@ def main(argv=None) -> int:
     name = (f"tune-{args.dtype}{tag}-D{'-'.join(map(str, args.head_dims))}-causal{'-'.join(args.causal)}"
             f"-{'-'.join(args.modes)}-S{args.seqlen}{'-configs' if args.configs else ''}"
             f"{'' if args.shape == 'auto' else '-' + args.shape}{f'-B{args.batch}' if args.batch else ''}"
+            f"{'-varlen' if args.varlen else ''}"
             f"{'-graphs' if args.cuda_graphs else ''}.csv")
     with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -96,3 +96,26 @@ def test_main_job(capsys):
     assert run_main(["--seqlen", "33", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]) == 0
     out = capsys.readouterr().out
     assert "max abs error vs fp64 reference" in out and "nan" not in out.lower()
+
+
+def test_tuner_calls_and_error_check():
+    """scripts/tune.py's timed call and its error check, dense and packed varlen (on CPU: eager, no
+    graphs): the error of the library's own forward is small, and the check sees a wrong output."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "tune.py")
+    spec = importlib.util.spec_from_file_location("tune_script", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for varlen in (False, True):
+        fn, _, inputs = tune.make_call("fwd", 2, 40, 4, 2, 16, True, torch.float16, varlen=varlen, device="cpu")
+        fn()
+        assert inputs[0].shape == ((80, 4, 16) if varlen else (2, 40, 4, 16))
+        assert tune.forward_error(*inputs, True, 40) < 5e-3
+        q, k, v, forward = inputs
+        assert tune.forward_error(q, k, v, lambda: forward() + 0.1, True, 40) > 0.09
+        assert tune.forward_error(q, k, v, forward, False, 40) > 5e-3  # against the other mask
+    fn, grads, _ = tune.make_call("bwd_dq", 1, 33, 2, 1, 16, False, torch.float16, varlen=True, device="cpu")
+    fn()
+    assert all(t.grad is not None for t in grads)
