@@ -112,6 +112,33 @@ def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, m
     assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
 
 
+# the opt-in persistent forward (TRITONATTN_FWD_PERSISTENT=N): plain calls, its own tiles, one or two
+# programs per SM (more tiles than programs in every case)
+PERSISTENT_CASES = [(4, 512, 512, 32, 8, 128, False, BF16), (2, 1000, 777, 8, 2, 128, False, F16),
+                    (8, 1024, 1024, 16, 16, 64, False, BF16), (4, 700, 700, 8, 4, 256, False, BF16)]
+
+
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", PERSISTENT_CASES, ids=[case_id(*c) for c in PERSISTENT_CASES])
+def test_persistent_forward_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, per_sm, poison, monkeypatch):
+    from tritonattn.kernels import fwd, launch, plan
+
+    names, real = [], launch.launch
+
+    def spy(fn, grid, args, kwargs):
+        names.append(fn.fn.__name__)
+        return real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(fwd, "PERSISTENT", per_sm)
+    monkeypatch.setattr(launch, "launch", spy)
+    plan.clear()
+    try:
+        _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+    finally:
+        plan.clear()
+    assert "_fwd_persistent_kernel" in names and "_fwd_kernel" not in names, names
+
+
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
 def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)

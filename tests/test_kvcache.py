@@ -237,7 +237,7 @@ def test_pick_num_splits(monkeypatch):
     at least 2 splits of at least 256 keys; one split once batch x kv heads is two waves or more."""
     from tritonattn.kernels import decode
 
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert decode.pick_num_splits(1, 8, 16384, cuda) == 16
     assert decode.pick_num_splits(1, 8, 1000, cuda) == 4  # splits of at least 256 keys

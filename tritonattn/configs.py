@@ -338,6 +338,22 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     return cfg
 
 
+# The opt-in persistent forward (TRITONATTN_FWD_PERSISTENT=N, plain dense calls, kernels/fwd.py): its
+# flattened tile-and-key loop pipelines the query tile with K / V, so the table's 3-stage (128, 128)
+# tile would need 320 KB of shared memory. By padded head dim, 16-bit: tiles that fit
+# (scripts/compile_check.py, sm_90: (128, 128, 8, 2) 224 KB, 250 registers, no spills; at D=256
+# (64, 64, 4, 2) spilled 104 bytes, 8 warps do not); other head dims (64, 64, 4, 2). Not yet measured
+# on the GPU (benchmarks/NOTES.md, eighth session).
+_PERSISTENT_FWD = {128: C(128, 128, 8, 2), 256: C(64, 64, 8, 2)}
+
+
+def persistent_forward_config(q: torch.Tensor) -> TileConfig:
+    """The persistent forward's tile: a forced config, the interpreter's, fp32's, or :data:`_PERSISTENT_FWD`."""
+    if "fwd" in _override or not _on_device(q) or q.element_size() != 2:
+        return _lookup("fwd", q, False)
+    return _PERSISTENT_FWD.get(padded_head_dim(q.shape[-1]), C(64, 64, 4, 2))
+
+
 def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool,
                      base: TileConfig | None = None) -> TileConfig:
     """``extra_smem`` as for :func:`forward_config`: a bias / mask tile and dropout's bits next to

@@ -9,7 +9,6 @@ the output itself (no partial buffers, no combine launch). The score math (softc
 causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
 """
 
-import functools
 
 import torch
 import triton
@@ -20,7 +19,7 @@ from tritonattn import configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
 from tritonattn.kernels.fwd import _hopper, _kv_rows
-from tritonattn.kernels.launch import cdiv, next_pow2, program_grid
+from tritonattn.kernels.launch import cdiv, next_pow2, program_grid, sm_count
 from tritonattn.kernels.variants import Variants
 
 
@@ -155,11 +154,6 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty), mask=d_ok)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
@@ -167,7 +161,7 @@ def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.devi
     one wave of long splits reads K/V at 3.9-4.5 TB/s. With two waves or more of (batch, kv head)
     programs, one split (the kernel writes the output, no combine): batch 64 x 8 kv heads, 0.99x /
     1.01x cuDNN at 4096 / 16384 keys against 0.96x / 1.00x with two (sixth session)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if batch * kv_heads >= 2 * sms:
         return 1
     want = max(2, sms // (batch * kv_heads))

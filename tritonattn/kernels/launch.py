@@ -16,6 +16,8 @@ interpreter.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -61,6 +63,12 @@ def _args_key(args: tuple) -> tuple:
     a 2-core CPU); tensor subclasses and other types take ``_key_of``."""
     return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor else _key_of(a)
                   for a in args])
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU (4 under the interpreter: a few programs, each looping)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _key(fn, grid, args: tuple, kwargs: dict) -> tuple:
