@@ -240,7 +240,11 @@ def main(argv=None) -> int:
                     B, Hq, _ = shape_for(D, args.seqlen, args.shape, args.batch)
                     probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda").expand(B, args.seqlen, Hq, D)
                     tma = "tma" in variant.split("+")
-                    if mode == "fwd":
+                    if mode == "fwd" and variant.startswith("persistent"):
+                        # (only plain calls take it: causal or varlen rows time the tile kernel)
+                        table = (tuple(configs.persistent_forward_config(probe)) if c == "no" and not args.varlen
+                                 else "not persistent")
+                    elif mode == "fwd":
                         table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen,
                                                              plain=c == "no" and not args.varlen))
                     elif mode == "bwd_dq":

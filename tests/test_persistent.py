@@ -52,6 +52,28 @@ def test_calls_with_a_variant_keep_the_tile_kernel(options, kernels):
     assert kernels == ["_fwd_kernel"], kernels
 
 
+@pytest.mark.parametrize("per_sm", [2, 5])
+def test_programs_per_sm_and_a_negative_scale(per_sm, kernels, monkeypatch):
+    """Two or more programs per SM (fewer tiles each, or more programs than tiles), and a negative
+    softmax scale (the general score path of the key loop)."""
+    monkeypatch.setattr(fwd, "PERSISTENT", per_sm)
+    q, k, v = random_qkv(2, 90, 77, 4, 2, 32, torch.float16, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=-0.3, return_attn_probs=True)
+    assert "_fwd_persistent_kernel" in kernels, kernels
+    dout = torch.randn_like(out)
+    check_against_reference(q, k, v, out, lse, torch.autograd.grad(out, (q, k, v), dout), dout, False,
+                            softmax_scale=-0.3)
+
+
+def test_switch_values(monkeypatch):
+    for value, want in (("", 0), ("0", 0), ("off", 0), ("1", 1), ("on", 1), ("2", 2)):
+        monkeypatch.setenv("TRITONATTN_FWD_PERSISTENT", value)
+        assert fwd._programs_per_sm("TRITONATTN_FWD_PERSISTENT") == want
+    monkeypatch.setenv("TRITONATTN_FWD_PERSISTENT", "many")
+    with pytest.raises(ValueError, match="TRITONATTN_FWD_PERSISTENT"):
+        fwd._programs_per_sm("TRITONATTN_FWD_PERSISTENT")
+
+
 def test_persistent_forward_equals_the_tile_kernel(kernels, monkeypatch):
     """Same numbers as the tile kernel (the same key loop and epilogue), bitwise under the interpreter."""
     q, k, v = random_qkv(2, 100, 90, 4, 2, 64, torch.float16, DEVICE, requires_grad=False)

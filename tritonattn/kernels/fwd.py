@@ -284,7 +284,19 @@ TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
 # TRITONATTN_FWD_PERSISTENT=N (opt-in, unmeasured): plain dense forwards (Variants.plain) through the
 # persistent kernel with N programs per SM (0: off)
-PERSISTENT = int(os.environ.get("TRITONATTN_FWD_PERSISTENT") or 0)
+def _programs_per_sm(name: str) -> int:
+    """A count switch: unset / "" / off words 0, on words 1, else the integer (>= 0)."""
+    value = (os.environ.get(name) or "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return 0
+    if value in ("true", "on", "yes"):
+        return 1
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a number of programs per SM (or on / off), got {value!r}")
+    return int(value)
+
+
+PERSISTENT = _programs_per_sm("TRITONATTN_FWD_PERSISTENT")
 
 
 @functools.cache
@@ -386,5 +398,7 @@ def attention_forward(q, k, v, var: Variants):
                 # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
                 WS=WS and tma and cfg.num_warps >= 8))
 
-    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, flags, cfg, run)
+    # (the persistent kernel has tiles of its own: the autotuner's cache and configs.fit keep them apart)
+    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, dict(flags, PERSISTENT=PERSISTENT) if persistent else flags,
+                          cfg, run)
     return b.finish((out, lse))
