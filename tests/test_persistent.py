@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DEVICE, case_id, check_against_reference
 
-from tritonattn import flash_attn_func
+from tritonattn import configs, flash_attn_func
 from tritonattn.kernels import fwd, launch, plan
 from tritonattn.testing import random_qkv
 
@@ -68,10 +68,10 @@ def test_programs_per_sm_and_a_negative_scale(per_sm, kernels, monkeypatch):
 def test_switch_values(monkeypatch):
     for value, want in (("", 0), ("0", 0), ("off", 0), ("1", 1), ("on", 1), ("2", 2)):
         monkeypatch.setenv("TRITONATTN_FWD_PERSISTENT", value)
-        assert fwd._programs_per_sm("TRITONATTN_FWD_PERSISTENT") == want
+        assert configs.env_count("TRITONATTN_FWD_PERSISTENT") == want
     monkeypatch.setenv("TRITONATTN_FWD_PERSISTENT", "many")
     with pytest.raises(ValueError, match="TRITONATTN_FWD_PERSISTENT"):
-        fwd._programs_per_sm("TRITONATTN_FWD_PERSISTENT")
+        configs.env_count("TRITONATTN_FWD_PERSISTENT")
 
 
 def test_persistent_forward_equals_the_tile_kernel(kernels, monkeypatch):

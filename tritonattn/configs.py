@@ -32,11 +32,27 @@ class TileConfig(NamedTuple):
     split_grads: bool = False
 
 
+_OFF = ("", "0", "false", "off", "no")
+
+
 def env_flag(name: str, default: bool | None = False) -> bool | None:
     """An on/off environment switch: "", "0", "false", "off" and "no" (any case) are off, anything
     else on; unset: ``default``."""
     value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("", "0", "false", "off", "no")
+    return default if value is None else value.strip().lower() not in _OFF
+
+
+def env_count(name: str) -> int:
+    """A count switch: unset or an off word of :func:`env_flag` 0, "true" / "on" / "yes" 1, else a
+    non-negative integer (anything else raises, naming the variable)."""
+    value = (os.environ.get(name) or "").strip().lower()
+    if value in _OFF:
+        return 0
+    if value in ("true", "on", "yes"):
+        return 1
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer (or on / off), got {value!r}")
+    return int(value)
 
 
 def interpreting() -> bool:
@@ -295,11 +311,15 @@ _SHORT_CAUSAL = {
 }
 
 
+def _short(mode: str, q: torch.Tensor, seqlen: int) -> bool:
+    """A 16-bit call on the GPU of at most SHORT_SEQLEN queries and keys (``seqlen``: its longest
+    length, 0 when not known) whose ``mode`` config is not forced: the short tiles may apply."""
+    return 0 < seqlen <= SHORT_SEQLEN and mode not in _override and q.element_size() == 2 and _on_device(q)
+
+
 def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:
-    """The :data:`_SHORT_CAUSAL` entry of a call (``seqlen``: its longest query or key length, 0 when
-    not known), or None."""
-    if not causal or not 0 < seqlen <= SHORT_SEQLEN or mode in _override or q.element_size() != 2 \
-            or not _on_device(q):
+    """The :data:`_SHORT_CAUSAL` entry of a call, or None."""
+    if not causal or not _short(mode, q, seqlen):
         return None
     return _SHORT_CAUSAL[mode].get(padded_head_dim(q.shape[-1]))
 
@@ -308,8 +328,7 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     """:data:`_SHORT_WIDE_FWD`'s entry for a plain forward (no causal mask, see forward_config's
     ``plain``) of at most SHORT_SEQLEN queries and keys and at least WIDE_PROGRAMS 128-row query tiles
     (``q``'s rows x heads), or None."""
-    if causal or not 0 < seqlen <= SHORT_SEQLEN or "fwd" in _override or q.element_size() != 2 \
-            or not _on_device(q):
+    if causal or not _short("fwd", q, seqlen):
         return None
     tiles = q.numel() // max(1, q.shape[-1]) // 128
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
@@ -391,9 +410,10 @@ def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False
     if atomic_dq and d in _ATOMIC_DKDV and tables:
         cfg = _ATOMIC_DKDV[d]
         return cfg._replace(num_stages=2) if extra_smem else cfg
-    base = _POINTER_DKDV.get((d, bool(causal))) if not tma and tables else None
     if tma:
         base = _short_causal("bwd_dkdv", q, causal, seqlen)
+    else:
+        base = _POINTER_DKDV.get((d, bool(causal))) if tables else None
     return _backward_config("bwd_dkdv", q, causal, extra_smem, base)
 
 

@@ -9,7 +9,6 @@ the output itself (no partial buffers, no combine launch). The score math (softc
 causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
 """
 
-
 import torch
 import triton
 import triton.language as tl

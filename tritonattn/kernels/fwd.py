@@ -1,7 +1,6 @@
 """FlashAttention-2 forward: online softmax in the exp2 domain, writes O and the LSE."""
 
 import functools
-import os
 
 import torch
 import triton
@@ -284,19 +283,7 @@ TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
 # TRITONATTN_FWD_PERSISTENT=N (opt-in, unmeasured): plain dense forwards (Variants.plain) through the
 # persistent kernel with N programs per SM (0: off)
-def _programs_per_sm(name: str) -> int:
-    """A count switch: unset / "" / off words 0, on words 1, else the integer (>= 0)."""
-    value = (os.environ.get(name) or "").strip().lower()
-    if value in ("", "0", "false", "off", "no"):
-        return 0
-    if value in ("true", "on", "yes"):
-        return 1
-    if not value.isdigit():
-        raise ValueError(f"{name} must be a number of programs per SM (or on / off), got {value!r}")
-    return int(value)
-
-
-PERSISTENT = _programs_per_sm("TRITONATTN_FWD_PERSISTENT")
+PERSISTENT = configs.env_count("TRITONATTN_FWD_PERSISTENT")
 
 
 @functools.cache
