@@ -95,27 +95,23 @@ def main(argv=None) -> int:
     # the table's sm90 configs, as on a CUDA device
     configs._on_device = lambda q: True
     # the atomic-dQ path's TMA reductions (sm_90 only; TRITONATTN_ATOMIC_DQ_TMA=0 keeps per-element atomics)
-    from tritonattn.kernels import bwd, decode, fwd
+    from tritonattn.kernels import bwd, decode
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, persistent=False, fwd_cfg=None, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, **kw):
         with contextlib.ExitStack() as stack:
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
-            if fwd_cfg is not None:  # a forward config of its own (the persistent kernel's candidates)
-                stack.enter_context(configs.override(fwd=fwd_cfg))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
                 stack.enter_context(mock.patch.object(bwd, "TMA", False))
-            if persistent:  # plain forwards through the persistent kernel (TRITONATTN_FWD_PERSISTENT=1)
-                stack.enter_context(mock.patch.object(fwd, "PERSISTENT", 1))
             if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
                 stack.enter_context(mock.patch.multiple(decode, PDL=True, _pdl_ok=lambda q: True))
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fwd_only=False):
+                 s=256, b=2):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -137,8 +133,6 @@ def main(argv=None) -> int:
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
             return
         out, lse = attention_forward(q, k, v, var)
-        if fwd_only:  # (a forward variant: its backward is the default one, compiled by other cases)
-            return
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         try:
@@ -176,13 +170,6 @@ def main(argv=None) -> int:
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
                 # the short forward's tile for many query tiles (configs.WIDE_PROGRAMS; plain calls only)
                 (f"full-wide-{dt}", 128, dtypes[dt], {}, dict(b=256)),
-                # the opt-in persistent forward (plain calls): its tiles at D=64 / 128 / 256, a ragged key
-                # end, and the two-programs-per-SM candidate (64, 64, 4, 2) at D=128
-                *[(f"persistent-D{D}-{dt}", D, dtypes[dt], {}, dict(persistent=True, fwd_only=True))
-                  for D in (64, 128, 256)],
-                (f"persistent-ragged-{dt}", 128, dtypes[dt], {}, dict(s=200, persistent=True, fwd_only=True)),
-                (f"persistent-64-64-4-2-{dt}", 128, dtypes[dt], {},
-                 dict(persistent=True, fwd_only=True, fwd_cfg=configs.TileConfig(64, 64, 4, 2))),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

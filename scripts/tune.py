@@ -11,8 +11,7 @@ cache); the timing pass then only loads the cached binaries. Candidates that fai
 launch (shared memory) are reported and skipped. Results: a table on stdout and a CSV under $OUT.
 ``--fwd-variants plain tma tma+ws`` times each forward candidate also with K / V read through tensor
 descriptors (``tma``) and with the unmasked loop warp-specialized (``ws``): the launcher's switches
-``kernels.fwd.TMA`` / ``WS``; ``persistent`` / ``persistent2``: the opt-in persistent forward
-(``kernels.fwd.PERSISTENT``, one or two programs per SM). ``--bwd-variants tma plain`` (default
+``kernels.fwd.TMA`` / ``WS``. ``--bwd-variants tma plain`` (default
 ``tma``, the library's default on sm_90) times the backward candidates through descriptors and
 through pointers (``kernels.bwd.TMA``).
 ``--cuda-graphs`` times each call as a CUDA graph replay: a forced config takes the launcher's full
@@ -102,8 +101,6 @@ def _set_variant(variant: str, mode: str = "fwd") -> None:
 
     parts = variant.split("+")
     fwd.TMA, fwd.WS = mode == "fwd" and "tma" in parts, mode == "fwd" and "ws" in parts
-    # persistentN: the opt-in persistent forward with N programs per SM (plain calls: not causal)
-    fwd.PERSISTENT = next((int(p[len("persistent"):] or 1) for p in parts if p.startswith("persistent")), 0)
     if mode != "fwd":
         bwd.TMA = "tma" in parts
     stages = [int(p[2:]) for p in parts if p.startswith("ms")]
@@ -138,9 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--fwd-variants", nargs="+", default=["plain"],
-                   choices=["plain", "tma", "tma+ws", "persistent", "persistent2"],
-                   help="persistentN: the opt-in persistent forward, N programs per SM (calls without causal "
-                        "masking; the candidates must fit its flattened pipeline's shared memory)")
+                   choices=["plain", "tma", "tma+ws"])
     p.add_argument("--bwd-variants", nargs="+", default=["tma"], metavar="plain|tma|msN|tma+msN",
                    help="backward candidates with Q / dO and K / V read through tensor descriptors (tma, the "
                         "library's default on sm_90) or pointers (plain), and (bwd_dkdv) its masked loop "
@@ -240,15 +235,11 @@ def main(argv=None) -> int:
                     B, Hq, _ = shape_for(D, args.seqlen, args.shape, args.batch)
                     probe = torch.empty(1, 1, 1, D, dtype=dtype, device="cuda").expand(B, args.seqlen, Hq, D)
                     tma = "tma" in variant.split("+")
-                    if mode == "fwd" and variant.startswith("persistent"):
-                        # (only plain calls take it: causal or varlen rows time the tile kernel)
-                        table = (tuple(configs.persistent_forward_config(probe)) if c == "no" and not args.varlen
-                                 else "not persistent")
-                    elif mode == "fwd":
+                    if mode == "fwd":
                         table = tuple(configs.forward_config(probe, c == "yes", seqlen=args.seqlen,
-                                                             plain=c == "no" and not args.varlen))
+                                                             plain=c == "no"))
                     elif mode == "bwd_dq":
-                        table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen, tma=tma))
+                        table = tuple(configs.backward_dq_config(probe, c == "yes", seqlen=args.seqlen))
                     else:
                         table = tuple(configs.backward_dkdv_config(probe, c == "yes", tma=tma, seqlen=args.seqlen,
                                                                    atomic_dq=args.atomic_dq))

@@ -171,7 +171,7 @@ def test_short_causal_tiles(monkeypatch):
         with configs.override(**{mode: C(16, 32, 4, 1)}):
             assert get(q, True, seqlen=512) == C(16, 32, 4, 1)
     assert configs.backward_dkdv_config(q, True, tma=False, seqlen=512) == configs._POINTER_DKDV[(128, True)]
-    assert configs.backward_dq_config(q, True, tma=False, seqlen=512) == tables["bwd_dq"][(128, 2, True)]
+    assert configs.backward_dq_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["bwd_dq"][128]  # either path
     assert configs.backward_dkdv_config(q, True, atomic_dq=True, seqlen=512) == configs._ATOMIC_DKDV[128]
     monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
     assert configs.forward_config(q, True, seqlen=512) == configs._INTERP["fwd"]
@@ -194,7 +194,7 @@ def test_short_wide_forward_tile(monkeypatch):
     assert pick(q) == wide
     # one tile fewer than WIDE_PROGRAMS (2047 x 128 rows x 1 head / 128)
     assert pick(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(2047, 128, 1, 128)) == table[(128, 2, False)]
-    assert pick(q, plain=False) == table[(128, 2, False)]  # a variant, varlen or kv cache
+    assert pick(q, plain=False) == table[(128, 2, False)]  # a variant or a kv cache
     assert pick(q, seqlen=configs.SHORT_SEQLEN + 1) == table[(128, 2, False)]
     assert pick(q, seqlen=0) == table[(128, 2, False)]  # length not given
     assert pick(q, causal=True) == configs._SHORT_CAUSAL["fwd"][128]
@@ -208,14 +208,16 @@ def test_short_wide_forward_tile(monkeypatch):
 
 
 def test_plain_variants():
-    """Variants.plain (what the wide tile asks for) is False for every option but the scale."""
+    """Variants.plain (what the wide tile asks for) is False for every option but the scale and
+    varlen's sequence offsets."""
     from tritonattn.kernels.variants import MASK_KEYS, Variants
 
     assert Variants(softmax_scale=0.1).plain
     t = torch.zeros(2, dtype=torch.int32)
+    assert Variants(softmax_scale=0.1, cu_seqlens_q=t, cu_seqlens_k=t).plain
     for options in (dict(win_right=0), dict(win_left=8), dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)),
                     dict(bias=torch.zeros(1)), dict(mask=t, mask_kind=MASK_KEYS), dict(dropout_p=0.1),
-                    dict(cu_seqlens_q=t, cu_seqlens_k=t), dict(kv_lens=t), dict(block_table=t)):
+                    dict(kv_lens=t), dict(block_table=t), dict(cu_seqlens_q=t, cu_seqlens_k=t, block_table=t)):
         assert not Variants(softmax_scale=0.1, **options).plain, options
 
 
@@ -236,7 +238,8 @@ def test_forward_launcher_passes_plain(monkeypatch):
     flash_attn_func(q, q, q, softcap=3.0)
     cu = torch.tensor([0, 20], dtype=torch.int32)
     flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20)
-    assert seen == [True, False, False, False]
+    flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20, causal=True)
+    assert seen == [True, False, False, True, False]
 
 
 def test_backward_launcher_passes_the_longest_length(monkeypatch):

@@ -83,14 +83,32 @@ def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkey
         monkeypatch.setattr(configs, name, spy)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     padded = configs.padded_head_dim(D)
-    # the backward's short tiles need tensor descriptors (sm_90, power-of-two head dims) and the
-    # default backward (the opt-in atomic dQ has its own dK/dV tile and no dQ kernel)
+    # the backward's short tiles need the default backward (the opt-in atomic dQ has its own dK/dV
+    # tile and no dQ kernel), and dK/dV's also tensor descriptors (sm_90, power-of-two head dims)
     descriptors = D == padded and bwd.TMA and bwd._hopper(torch.cuda.current_device())
     for mode in ("fwd", "bwd_dkdv", "bwd_dq"):
         want = configs._SHORT_CAUSAL[mode].get(padded, configs.table_configs()[mode][(padded, 2, True)])
-        if mode != "fwd" and (not descriptors or bwd.atomic_dq_enabled()):
+        if mode != "fwd" and bwd.atomic_dq_enabled() or mode == "bwd_dkdv" and not descriptors:
             continue
         assert picked[mode] == want, (mode, picked)
+
+
+def test_short_causal_backward_through_pointers(poison, monkeypatch):
+    """The backward through pointers (TRITONATTN_BWD_TMA=0): the short dQ tile, _POINTER_DKDV's dK/dV."""
+    picked = {}
+    for mode, name in (("bwd_dkdv", "backward_dkdv_config"), ("bwd_dq", "backward_dq_config")):
+        real = getattr(configs, name)
+
+        def spy(*args, _real=real, _mode=mode, **kwargs):
+            picked[_mode] = _real(*args, **kwargs)
+            return picked[_mode]
+
+        monkeypatch.setattr(configs, name, spy)
+    monkeypatch.setattr(bwd, "TMA", False)
+    _run_and_check(2, 1000, 999, 8, 2, 128, True, BF16)
+    if not bwd.atomic_dq_enabled():
+        assert picked["bwd_dq"] == configs._SHORT_CAUSAL["bwd_dq"][128], picked
+        assert picked["bwd_dkdv"] == configs._POINTER_DKDV[(128, True)], picked
 
 
 # forwards without causal masking, short and with many query tiles (configs.WIDE_PROGRAMS: B x Sq x Hq / 128
@@ -110,33 +128,6 @@ def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, m
     monkeypatch.setattr(configs, "forward_config", spy)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
-
-
-# the opt-in persistent forward (TRITONATTN_FWD_PERSISTENT=N): plain calls, its own tiles, one or two
-# programs per SM (more tiles than programs in every case)
-PERSISTENT_CASES = [(4, 512, 512, 32, 8, 128, False, BF16), (5, 1000, 777, 8, 2, 128, False, F16),
-                    (8, 1024, 1024, 16, 16, 64, False, BF16), (4, 700, 700, 8, 4, 256, False, BF16)]
-
-
-@pytest.mark.parametrize("per_sm", [1, 2])
-@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", PERSISTENT_CASES, ids=[case_id(*c) for c in PERSISTENT_CASES])
-def test_persistent_forward_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, per_sm, poison, monkeypatch):
-    from tritonattn.kernels import fwd, launch, plan
-
-    names, real = [], launch.launch
-
-    def spy(fn, grid, args, kwargs):
-        names.append(fn.fn.__name__)
-        return real(fn, grid, args, kwargs)
-
-    monkeypatch.setattr(fwd, "PERSISTENT", per_sm)
-    monkeypatch.setattr(launch, "launch", spy)
-    plan.clear()
-    try:
-        _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
-    finally:
-        plan.clear()
-    assert "_fwd_persistent_kernel" in names and "_fwd_kernel" not in names, names
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
@@ -223,6 +214,32 @@ def test_varlen_on_gpu(causal, poison):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, causal)
+
+
+def test_varlen_short_wide_forward_tile(poison, monkeypatch):
+    """A short varlen call without causal masking and with many query tiles (ragged, an empty and
+    a length-1 sequence) takes the wide tile, and matches the reference."""
+    from tritonattn import flash_attn_varlen_func
+
+    picked, real = [], configs.forward_config
+
+    def spy(*args, **kwargs):
+        picked.append(real(*args, **kwargs))
+        return picked[-1]
+
+    monkeypatch.setattr(configs, "forward_config", spy)
+    torch.manual_seed(2)
+    lens = [1000, 1, 0, 777, 1024, 513] * 4
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total = sum(lens)  # 13260 tokens x 32 heads / 128: 3315 query tiles
+    q = torch.randn(total, 32, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    v = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, False)
+    assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])

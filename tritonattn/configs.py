@@ -42,19 +42,6 @@ def env_flag(name: str, default: bool | None = False) -> bool | None:
     return default if value is None else value.strip().lower() not in _OFF
 
 
-def env_count(name: str) -> int:
-    """A count switch: unset or an off word of :func:`env_flag` 0, "true" / "on" / "yes" 1, else a
-    non-negative integer (anything else raises, naming the variable)."""
-    value = (os.environ.get(name) or "").strip().lower()
-    if value in _OFF:
-        return 0
-    if value in ("true", "on", "yes"):
-        return 1
-    if not value.isdigit():
-        raise ValueError(f"{name} must be a non-negative integer (or on / off), got {value!r}")
-    return int(value)
-
-
 def interpreting() -> bool:
     """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
     return env_flag("TRITON_INTERPRET")
@@ -289,7 +276,9 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 # - backward, D=128, llama shape (whole backward, one kernel's tile changed): the table's 128-key dK/dV
 #   tile makes B * Hkv * 4 = 128 programs at S=512 for 132 SMs; (64, 64, 4, 2) makes 256:
 #   0.139 against 0.156 ms at S=512, 0.324 against 0.351 at S=1024. dQ (64, 64, 4, 2): 0.149 against
-#   0.156 ms, 0.344 against 0.352.
+#   0.156 ms, 0.344 against 0.352; with K / V through pointers (TRITONATTN_BWD_TMA=0) 0.139 against
+#   0.145 ms at S=512 (ninth session). Through pointers the dK/dV kernel keeps _POINTER_DKDV's
+#   (32, 64, 4, 3): 0.145 ms against 0.171 for (64, 64, 4, 2) (ninth session).
 # - forward without causal masking, D=128: (128, 64, 4, 2), two 4-warp programs per SM, wins where
 #   the call has many query tiles (rows x heads / 128 >= WIDE_PROGRAMS) and loses where it has few
 #   (eighth session, TFLOP/s against the table's (128, 128, 8, 3)):
@@ -299,8 +288,9 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #   The K/V bytes against L2 do not separate these; the count does. At S=2048 (llama B=4, 2048 tiles)
 #   the table's tile was 16% faster (seventh session): this tile is for short calls only. It spills
 #   120 bytes per thread plain and 624 with a bias tile (scripts/compile_check.py), and it was measured
-#   on plain dense calls only: calls with any variant (window, softcap, ALiBi, bias, mask, dropout),
-#   varlen and kv-cache calls keep the table's (Variants.plain).
+#   on plain calls only: dense, and varlen (ninth session, fa shape packed, 16k tokens: 315.4 / 271.3
+#   at S=512, 405.3 / 356.3 at S=1024); calls with any variant (window, softcap, ALiBi, bias, mask,
+#   dropout) and kv-cache or paged calls keep the table's (Variants.plain).
 SHORT_SEQLEN = 1024
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -357,22 +347,6 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     return cfg
 
 
-# The opt-in persistent forward (TRITONATTN_FWD_PERSISTENT=N, plain dense calls, kernels/fwd.py): its
-# flattened tile-and-key loop pipelines the query tile with K / V, so the table's 3-stage (128, 128)
-# tile would need 320 KB of shared memory. By padded head dim, 16-bit: tiles that fit
-# (scripts/compile_check.py, sm_90: (128, 128, 8, 2) 224 KB, 250 registers, no spills; at D=256
-# (64, 64, 4, 2) spilled 104 bytes, 8 warps do not); other head dims (64, 64, 4, 2). Not yet measured
-# on the GPU (benchmarks/NOTES.md, eighth session).
-_PERSISTENT_FWD = {128: C(128, 128, 8, 2), 256: C(64, 64, 8, 2)}
-
-
-def persistent_forward_config(q: torch.Tensor) -> TileConfig:
-    """The persistent forward's tile: a forced config, the interpreter's, fp32's, or :data:`_PERSISTENT_FWD`."""
-    if "fwd" in _override or not _on_device(q) or q.element_size() != 2:
-        return _lookup("fwd", q, False)
-    return _PERSISTENT_FWD.get(padded_head_dim(q.shape[-1]), C(64, 64, 4, 2))
-
-
 def _backward_config(mode: str, q: torch.Tensor, causal: bool, extra_smem: bool,
                      base: TileConfig | None = None) -> TileConfig:
     """``extra_smem`` as for :func:`forward_config`: a bias / mask tile and dropout's bits next to
@@ -402,9 +376,9 @@ _ATOMIC_DKDV = {128: C(64, 128, 8, 3), 256: C(32, 128, 8, 2)}
 
 def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False,
                          atomic_dq: bool = False, tma: bool = True, seqlen: int = 0) -> TileConfig:
-    """``tma``: the call's Q / dO tiles come through tensor descriptors (the table's entries were
-    tuned that way); without, :data:`_POINTER_DKDV` where it has an entry. ``seqlen`` as for
-    :func:`forward_config` (the short causal tile was measured with descriptors only)."""
+    """``tma``: the call's Q / dO tiles come through tensor descriptors (the table's entries and
+    the short causal tile were tuned that way); without, :data:`_POINTER_DKDV` where it has an
+    entry (also the fastest through pointers at S=512). ``seqlen`` as for :func:`forward_config`."""
     d = padded_head_dim(q.shape[-1])
     tables = "bwd_dkdv" not in _override and q.element_size() == 2 and _on_device(q)
     if atomic_dq and d in _ATOMIC_DKDV and tables:
@@ -417,12 +391,10 @@ def backward_dkdv_config(q: torch.Tensor, causal: bool, extra_smem: bool = False
     return _backward_config("bwd_dkdv", q, causal, extra_smem, base)
 
 
-def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,
-                       tma: bool = True) -> TileConfig:
-    """``seqlen`` as for :func:`forward_config`; ``tma``: the call's K / V tiles come through tensor
-    descriptors (the short causal tile was measured that way only)."""
-    short = _short_causal("bwd_dq", q, causal, seqlen) if tma else None
-    return _backward_config("bwd_dq", q, causal, extra_smem, short)
+def backward_dq_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0) -> TileConfig:
+    """``seqlen`` as for :func:`forward_config` (the short causal tile: faster with K / V through
+    descriptors and through pointers)."""
+    return _backward_config("bwd_dq", q, causal, extra_smem, _short_causal("bwd_dq", q, causal, seqlen))
 
 
 def preprocess_config(q: torch.Tensor) -> TileConfig:

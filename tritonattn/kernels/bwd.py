@@ -733,7 +733,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_arg
             **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
 
-    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=max(Sq, Sk), tma=flags["TMA"])
+    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=max(Sq, Sk))
     autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
 
 

@@ -21,7 +21,7 @@ from tritonattn.kernels.common import (
     scores_log2,
     seq_bounds,
 )
-from tritonattn.kernels.launch import cdiv, program_grid, sm_count
+from tritonattn.kernels.launch import cdiv, program_grid
 from tritonattn.kernels.variants import Variants
 
 
@@ -227,63 +227,11 @@ def _fwd_store(acc, l_i, m_i, p_lse, p_o, offs_m, stride_om, m_ok, d_ok, dropout
              mask=m_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _fwd_persistent_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_lse_b, stride_lse_h,
-    Hq, GROUP, Sq, Sk, qk_scale, n_tiles,
-    SCALE_POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RAGGED_N: tl.constexpr,
-):
-    """The forward of plain dense calls (Variants.plain) as a persistent kernel (opt-in,
-    TRITONATTN_FWD_PERSISTENT): each program walks query tiles ``pid, pid + programs, ...`` (query
-    blocks of a head consecutive, so programs running together share its K / V in L2), and the tile
-    loop is flattened with the key loop so the compiler may pipeline loads across tiles (the next
-    tile's first K / V blocks in flight during this tile's last blocks and store). One key loop per
-    tile: masked (``RAGGED_N``) when Sk is not a multiple of BLOCK_N."""
-    n_m = tl.cdiv(Sq, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-        bh = tile // n_m
-        start_m = (tile % n_m) * BLOCK_M
-        off_b = (bh // Hq).to(tl.int64)
-        off_h = (bh % Hq).to(tl.int64)
-        off_hk = off_h // GROUP
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Sq
-        p_q = Q + off_b * stride_qb + off_h * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(p_q + offs_m[:, None].to(tl.int64) * stride_qm, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        p_k = K + off_b * stride_kb + off_hk * stride_kh + offs_d[None, :] * stride_kd
-        p_v = V + off_b * stride_vb + off_hk * stride_vh + offs_d[None, :] * stride_vd
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # (the pointer path of the one-stage loop: no window, bias, mask, softcap, ALiBi, dropout,
-        # pages or descriptors; their pointer / scalar arguments are placeholders)
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, p_k, p_v, stride_kn, stride_vn, Q, 1, 0, 0, 0, None, None,
-            offs_m, offs_n, offs_d, 0, Sk, Sq, Sk, qk_scale, 0.0, 0.0, 0.0, Q, 0, 0, Q, 0, 0, 0, 0, Q, 0.0,
-            RAGGED_N, False, False, False, False, False, 0, False, False, SCALE_POS,
-            HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, False, False)
-        _fwd_store(acc, l_i, m_i, LSE + off_b * stride_lse_b + off_h * stride_lse_h + offs_m,
-                   O + off_b * stride_ob + off_h * stride_oh + offs_d[None, :] * stride_od,
-                   offs_m, stride_om, m_ok, d_ok, 0.0, False)
-
-
 # K / V through tensor descriptors (TMA) when the layout allows (see _tma_ok), and the unmasked loop
 # warp-specialized: switches of the launcher (tests and scripts/tune.py --fwd-variants set them; the
 # defaults are the measured choice, benchmarks/NOTES.md)
 TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
-# TRITONATTN_FWD_PERSISTENT=N (opt-in, unmeasured): plain dense forwards (Variants.plain) through the
-# persistent kernel with N programs per SM (0: off)
-PERSISTENT = configs.env_count("TRITONATTN_FWD_PERSISTENT")
 
 
 @functools.cache
@@ -338,7 +286,7 @@ def attention_forward(q, k, v, var: Variants):
     if tma:
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST, PERSISTENT)  # (heads_first's other inputs are in the key; MAX_GRID_YZ
+           tma, WS, configs.HEADS_FIRST)  # (heads_first's other inputs are in the key; MAX_GRID_YZ
     # is a constant, changed only by tests, which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
@@ -360,21 +308,8 @@ def attention_forward(q, k, v, var: Variants):
                  BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
                  PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)
 
-    persistent = PERSISTENT > 0 and var.plain and not tma
-    if persistent:
-        cfg = configs.persistent_forward_config(q)
-
     def run(cfg):
         blocks = cdiv(Sq, cfg.block_m)
-        if persistent:
-            tiles = blocks * B * Hq
-            b.launch(_fwd_persistent_kernel, (min(tiles, PERSISTENT * sm_count(q.device)),), (
-                q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
-                Hq, Hq // Hkv, Sq, Sk, var.scale_args()[0], tiles,
-            ), dict(SCALE_POS=flags["SCALE_POS"], HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, DOT_FP32=flags["DOT_FP32"], PRECISION=flags["PRECISION"],
-                    RAGGED_N=Sk % cfg.block_n != 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            return
         b.launch(_fwd_kernel, program_grid(blocks, B * Hq, heads_first), (
             q, k, v, out, lse,
             *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
@@ -385,7 +320,5 @@ def attention_forward(q, k, v, var: Variants):
                 # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
                 WS=WS and tma and cfg.num_warps >= 8))
 
-    # (the persistent kernel has tiles of its own: the autotuner's cache and configs.fit keep them apart)
-    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, dict(flags, PERSISTENT=PERSISTENT) if persistent else flags,
-                          cfg, run)
+    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, flags, cfg, run)
     return b.finish((out, lse))

@@ -97,10 +97,10 @@ class Variants:
 
     @property
     def plain(self) -> bool:
-        """Dense attention with no option but the scale: no causal mask or window, softcap, ALiBi,
-        bias, mask or dropout, not varlen, no kv cache (what a tile measured on plain calls may take)."""
+        """Attention with no option but the scale, dense or varlen: no causal mask or window, softcap,
+        ALiBi, bias, mask or dropout, no kv cache or pages (what a tile measured on plain calls may take)."""
         return (self.win_left is None and self.win_right is None and self.softcap == 0 and self.alibi_slopes is None
-                and self.bias is None and self.mask is None and self.dropout_p == 0 and not self.varlen
+                and self.bias is None and self.mask is None and self.dropout_p == 0
                 and self.kv_lens is None and self.block_table is None)
 
     @property
