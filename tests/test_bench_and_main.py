@@ -3,6 +3,7 @@
 import csv
 
 import torch
+from conftest import DEVICE
 
 from tritonattn.bench.__main__ import grid_shapes, main
 from tritonattn.bench.runner import Shape
@@ -99,8 +100,8 @@ def test_main_job(capsys):
 
 
 def test_tuner_calls_and_error_check():
-    """scripts/tune.py's timed call and its error check, dense and packed varlen (on CPU: eager, no
-    graphs): the error of the library's own forward is small, and the check sees a wrong output."""
+    """scripts/tune.py's timed call and its error check, dense and packed varlen (eager, no graphs):
+    the error of the library's own forward is small, and the check sees a wrong output."""
     import importlib.util
     import os
 
@@ -109,13 +110,13 @@ def test_tuner_calls_and_error_check():
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     for varlen in (False, True):
-        fn, _, inputs = tune.make_call("fwd", 2, 40, 4, 2, 16, True, torch.float16, varlen=varlen, device="cpu")
+        fn, _, inputs = tune.make_call("fwd", 2, 40, 4, 2, 16, True, torch.float16, varlen=varlen, device=DEVICE)
         fn()
         assert inputs[0].shape == ((80, 4, 16) if varlen else (2, 40, 4, 16))
         assert tune.forward_error(*inputs, True, 40) < 5e-3
         q, k, v, forward = inputs
         assert tune.forward_error(q, k, v, lambda: forward() + 0.1, True, 40) > 0.09
         assert tune.forward_error(q, k, v, forward, False, 40) > 5e-3  # against the other mask
-    fn, grads, _ = tune.make_call("bwd_dq", 1, 33, 2, 1, 16, False, torch.float16, varlen=True, device="cpu")
+    fn, grads, _ = tune.make_call("bwd_dq", 1, 33, 2, 1, 16, False, torch.float16, varlen=True, device=DEVICE)
     fn()
     assert all(t.grad is not None for t in grads)

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+from conftest import DEVICE
 from triton.runtime.errors import OutOfResources
 
 from tritonattn import configs
@@ -232,11 +233,11 @@ def test_forward_launcher_passes_plain(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(configs, "forward_config", spy)
-    q = torch.randn(1, 20, 2, 16, dtype=torch.float16)
+    q = torch.randn(1, 20, 2, 16, dtype=torch.float16, device=DEVICE)
     flash_attn_func(q, q, q)
     flash_attn_func(q, q, q, causal=True)
     flash_attn_func(q, q, q, softcap=3.0)
-    cu = torch.tensor([0, 20], dtype=torch.int32)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20)
     flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20, causal=True)
     assert seen == [True, False, False, True, False]
@@ -256,17 +257,17 @@ def test_backward_launcher_passes_the_longest_length(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(configs, name, spy)
-    q = torch.randn(1, 37, 2, 16, dtype=torch.float16, requires_grad=True)
-    k = torch.randn(1, 50, 1, 16, dtype=torch.float16, requires_grad=True)
+    q = torch.randn(1, 37, 2, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 50, 1, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
     flash_attn_func(q, k, k, causal=True).sum().backward()
     assert sorted(seen) == [("backward_dkdv_config", 50), ("backward_dq_config", 50)]
     seen.clear()
-    q2 = torch.randn(1, 61, 2, 16, dtype=torch.float16, requires_grad=True)  # more queries than keys
+    q2 = torch.randn(1, 61, 2, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)  # more queries than keys
     flash_attn_func(q2, k, k).sum().backward()
     assert sorted(seen) == [("backward_dkdv_config", 61), ("backward_dq_config", 61)]
     seen.clear()
-    cu = torch.tensor([0, 30, 37], dtype=torch.int32)
-    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    cu = torch.tensor([0, 30, 37], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True).sum().backward()
     assert sorted(seen) == [("backward_dkdv_config", 40), ("backward_dq_config", 40)]
 
@@ -283,21 +284,21 @@ def test_forward_launcher_passes_the_longest_length(monkeypatch):
         return real(q, causal, extra_smem, seqlen, plain)
 
     monkeypatch.setattr(configs, "forward_config", spy)
-    q = torch.randn(1, 37, 2, 16, dtype=torch.float16)
-    k = torch.randn(1, 50, 1, 16, dtype=torch.float16)
+    q = torch.randn(1, 37, 2, 16, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(1, 50, 1, 16, dtype=torch.float16, device=DEVICE)
     flash_attn_func(q, k, k, causal=True)
     flash_attn_func(k.expand(1, 50, 2, 16), q[:, :, :1], q[:, :, :1])
     assert seen == [(True, 50), (False, 50)]
     seen.clear()
-    cu = torch.tensor([0, 30, 37], dtype=torch.int32)
-    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    cu = torch.tensor([0, 30, 37], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True)  # max_seqlen_k above the longest
     assert seen == [(True, 40)]
     seen.clear()
-    qd = torch.randn(2, 40, 2, 16, dtype=torch.float16)  # 80 query rows per kv head: the forward kernel
-    cache = torch.randn(2, 300, 1, 16, dtype=torch.float16)
+    qd = torch.randn(2, 40, 2, 16, dtype=torch.float16, device=DEVICE)  # 80 query rows per kv head: the forward kernel
+    cache = torch.randn(2, 300, 1, 16, dtype=torch.float16, device=DEVICE)
     flash_attn_with_kvcache(qd, cache, cache, cache_seqlens=250, causal=True)
-    pages = torch.randn(12, 16, 1, 16, dtype=torch.float16)
-    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    pages = torch.randn(12, 16, 1, 16, dtype=torch.float16, device=DEVICE)
+    table = torch.arange(12, dtype=torch.int32, device=DEVICE).view(2, 6)
     flash_attn_with_kvcache(qd, pages, pages, cache_seqlens=90, block_table=table, causal=True)
     assert seen == [(True, 300), (True, 6 * 16)]
