@@ -117,3 +117,43 @@ def test_dropout_runs_and_is_seeded():
     torch.manual_seed(4)
     b = scaled_dot_product_attention(q, k, v, dropout_p=0.3)
     assert torch.equal(a, b) and not torch.equal(a, scaled_dot_product_attention(q, k, v))
+
+
+def test_remembered_signature_matches_and_checks_still_run(poison):
+    """A call without attn_mask whose signature passed the checks skips them the next time (host
+    time): the same result, a fresh dropout seed per call, and other signatures still checked."""
+    from tritonattn.integrations import sdpa
+    from tritonattn.interface import _signature
+
+    q, k, v = _qkv(2, 4, 2, 37, 29, 16)
+    first = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    sig = _signature((q, k, v), (0.0, True, None, True))
+    assert sig in sdpa._VALIDATED
+    again = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(first, again)
+    _compare(q, k, v, is_causal=True, enable_gqa=True)  # remembered, with gradients, against torch
+    # a leading dim that does not flatten into a view (the remembered path copies as the checked one)
+    q5 = torch.randn(3, 2, 4, 8, 16, dtype=F16, device=DEVICE).transpose(0, 1)
+    k5 = torch.randn(3, 2, 2, 8, 16, dtype=F16, device=DEVICE).transpose(0, 1)
+    want = scaled_dot_product_attention(q5, k5, k5, enable_gqa=True)
+    assert torch.equal(scaled_dot_product_attention(q5, k5, k5, enable_gqa=True), want)
+    # dropout: a seed drawn per call on the remembered path too
+    torch.manual_seed(5)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+    b = scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+    torch.manual_seed(5)
+    assert torch.equal(scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True), a)
+    assert not torch.equal(a, b)
+    # other signatures: checked
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(RuntimeError, match="do not match"):
+        scaled_dot_product_attention(q, k[:1], v[:1], is_causal=True, enable_gqa=True)
+
+
+def test_signature_of_a_nested_tensor_is_none():
+    """A strided nested tensor has no shape: no remembered signature (the checks name it)."""
+    from tritonattn.interface import _signature
+
+    nt = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(3, 3)])
+    assert _signature((nt,), ()) is None

@@ -128,7 +128,7 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is _Tensor:
+        elif type(t) is _Tensor and not t.is_nested:  # (a strided nested tensor has no shape)
             key.append((t.shape, t.dtype, t.device))
         else:
             return None

@@ -19,6 +19,10 @@ from tritonattn.configs import interpreting
 
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 _warned: set[str] = set()
+# Signatures of calls without attn_mask that passed every check (interface._signature of the three
+# tensors and the options) -> the Variants fields they gave: a repeated call (each layer, each step)
+# skips the checks and the fallback test, whose results depend only on what the key holds.
+_VALIDATED: dict = {}
 
 
 def _fallback_reason(query, key, value, attn_mask) -> str | None:
@@ -56,6 +60,31 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` computed by tritonattn's kernels (see the module doc)."""
+    from tritonattn.interface import (
+        Variants,
+        _apply,
+        _check_mask_and_bias,
+        _check_options,
+        _check_qkv,
+        _dropout_seed,
+        _signature,
+    )
+
+    sig = None
+    if attn_mask is None and not torch.compiler.is_compiling():
+        sig = _signature((query, key, value), (dropout_p, is_causal, scale, enable_gqa))
+        fields = None if sig is None else _VALIDATED.get(sig)
+        if fields is not None:  # this exact signature passed the checks before
+            lead = query.shape[:-3]
+            B = math.prod(lead) if lead else 1
+            Hq, Sq, D = query.shape[-3:]
+            var = Variants(**fields)
+            if dropout_p > 0:
+                var.seed = _dropout_seed(query.device)
+            out, _, _ = _apply("none", var, False, (query.reshape(B, Hq, Sq, D).transpose(1, 2),
+                                                    key.reshape(B, *key.shape[-3:]).transpose(1, 2),
+                                                    value.reshape(B, *value.shape[-3:]).transpose(1, 2)))
+            return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
     reason = _fallback_reason(query, key, value, attn_mask)
     if reason is not None:
         if reason not in _warned:
@@ -64,8 +93,6 @@ def scaled_dot_product_attention(
                           stacklevel=2)
         return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
-
-    from tritonattn.interface import _apply, _check_mask_and_bias, _check_options, _check_qkv
 
     lead = query.shape[:-3]
     Hq, Sq, D = query.shape[-3:]
@@ -95,6 +122,11 @@ def scaled_dot_product_attention(
         else:
             bias = m
     _check_mask_and_bias(q, k, bias, mask, None, var)
+    if sig is not None:
+        if len(_VALIDATED) >= 4096:
+            _VALIDATED.clear()
+        _VALIDATED[sig] = dict(softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right,
+                               softcap=var.softcap, dropout_p=var.dropout_p, deterministic=var.deterministic)
     out, _, _ = _apply("none", var, False, (q, k, v), bias)
     return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
 

@@ -605,22 +605,24 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
-    # descriptors: decided per call (the tensors' 16-byte alignment is not in the plan's key, so the
-    # decision is); the allocator is needed on a replay too
-    tma = TMA and _tma_ok(q, k, v, var, q, do)
-    if tma:
+    # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
+    # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
+    # CPU); the allocator is set for a replay that may use them
+    aligned = TMA and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
+    if aligned:
         _need_allocator()
     key = None  # no plan for dBias or the atomic-dQ path (torch ops between the launches)
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST, tma, configs.DKDV_MASKED_STAGES,
+               configs.HEADS_FIRST, aligned, configs.DKDV_MASKED_STAGES,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
             return (*res, None)
     b = plan.Builder(key, inputs)
+    tma = aligned and _tma_ok(q, k, v, var, q, do)
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     # variable length: rows of q / k / v that belong to no sequence get no program, so start from 0
     zeros = var.varlen and Sq > 0 and Sk > 0

@@ -244,8 +244,8 @@ def _tma_ok(q, k, v, var: Variants, *more) -> bool:
     """Tensor descriptors can read K / V (and the tensors ``more``, e.g. the backward's Q and dO):
     an sm_90 GPU (the one measured; or the interpreter), 16-bit elements, a power-of-two head dim
     (no padded columns), unit dim stride, 16-byte aligned base and row / head / batch strides, a
-    row stride that is not 0 (no keys broadcast along the sequence), keys not paged. (Asked on every
-    backward before its plan is looked up: kept to plain loops, a few microseconds.)"""
+    row stride that is not 0 (no keys broadcast along the sequence), keys not paged. (Asked by a
+    backward without a plan, and by forwards with TRITONATTN_FWD_TMA: plain loops.)"""
     if q.element_size() != 2 or var.block_table is not None or q.shape[-1] != configs.padded_head_dim(q.shape[-1]):
         return False
     if q.is_cuda and not _hopper(q.device.index):
