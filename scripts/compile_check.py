@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         # sq: a query length of its own (1: Triton specializes the integer, the query loops fold away)
         shape_q, shape_k = ((B * S, Hq, D), (B * S, Hkv, D)) if varlen else ((B, sq or S, Hq, D), (B, S, Hkv, D))
         if varlen:
-            var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+            var.cu_seqlens_q = var.cu_seqlens_k = torch.arange(B + 1, dtype=torch.int32) * S
             var.max_seqlen_q = var.max_seqlen_k = S
         q = torch.randn(shape_q).to(dtype)
         k = torch.randn(shape_k).to(dtype)
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
                 # the short forward's tile for many query tiles (configs.WIDE_PROGRAMS; plain calls only)
                 (f"full-wide-{dt}", 128, dtypes[dt], {}, dict(b=256)),
+                (f"varlen-wide-{dt}", 128, dtypes[dt], {}, dict(b=256, varlen=True)),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

@@ -172,7 +172,6 @@ def test_short_causal_tiles(monkeypatch):
         with configs.override(**{mode: C(16, 32, 4, 1)}):
             assert get(q, True, seqlen=512) == C(16, 32, 4, 1)
     assert configs.backward_dkdv_config(q, True, tma=False, seqlen=512) == configs._POINTER_DKDV[(128, True)]
-    assert configs.backward_dq_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["bwd_dq"][128]  # either path
     assert configs.backward_dkdv_config(q, True, atomic_dq=True, seqlen=512) == configs._ATOMIC_DKDV[128]
     monkeypatch.setattr(configs, "_on_device", lambda q: False)  # the interpreter's tile
     assert configs.forward_config(q, True, seqlen=512) == configs._INTERP["fwd"]
@@ -180,7 +179,7 @@ def test_short_causal_tiles(monkeypatch):
 
 
 def test_short_wide_forward_tile(monkeypatch):
-    """Plain forwards (no causal mask, no variant, dense) of at most SHORT_SEQLEN queries and keys with
+    """Plain forwards (no causal mask, no variant, no kv cache) of at most SHORT_SEQLEN queries and keys with
     at least WIDE_PROGRAMS 128-row query tiles take their own tile; fewer tiles, longer, causal or
     not plain calls, fp32, other head dims and a forced config keep what they had."""
     monkeypatch.setattr(configs, "_on_device", lambda q: True)

@@ -129,7 +129,12 @@ def test_remembered_signature_matches_and_checks_still_run(poison):
     first = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     sig = _signature((q, k, v), (0.0, True, None, True))
     assert sig in sdpa._VALIDATED
-    again = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    real = sdpa._fallback_reason
+    sdpa._fallback_reason = None  # the remembered path must not call it (nor any check)
+    try:
+        again = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    finally:
+        sdpa._fallback_reason = real
     assert torch.equal(first, again)
     _compare(q, k, v, is_causal=True, enable_gqa=True)  # remembered, with gradients, against torch
     # a leading dim that does not flatten into a view (the remembered path copies as the checked one)
@@ -144,6 +149,16 @@ def test_remembered_signature_matches_and_checks_still_run(poison):
     torch.manual_seed(5)
     assert torch.equal(scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True), a)
     assert not torch.equal(a, b)
+    # calls with attn_mask, or with an option that is not a plain value, are never remembered
+    full = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    size = len(sdpa._VALIDATED)
+    mask = torch.ones(37, 29, dtype=torch.bool, device=DEVICE).tril()
+    scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    flag = torch.tensor(False)
+    assert torch.equal(scaled_dot_product_attention(q, k, v, is_causal=flag, enable_gqa=True), full)
+    flag.fill_(True)  # the same tensor object, now true: the causal result
+    assert torch.equal(scaled_dot_product_attention(q, k, v, is_causal=flag, enable_gqa=True), first)
+    assert len(sdpa._VALIDATED) == size
     # other signatures: checked
     with pytest.raises(RuntimeError, match="enable_gqa"):
         scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -151,9 +166,14 @@ def test_remembered_signature_matches_and_checks_still_run(poison):
         scaled_dot_product_attention(q, k[:1], v[:1], is_causal=True, enable_gqa=True)
 
 
-def test_signature_of_a_nested_tensor_is_none():
-    """A strided nested tensor has no shape: no remembered signature (the checks name it)."""
+def test_signature_refuses_nested_tensors_and_tensor_options():
+    """A strided nested tensor has no shape, and a tensor option hashes by identity (its value may
+    change in place): no remembered signature, the checks run. Plain values and types are kept."""
     from tritonattn.interface import _signature
 
     nt = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(3, 3)])
     assert _signature((nt,), ()) is None
+    t = torch.zeros(2)
+    assert _signature((t,), (torch.tensor(True),)) is None
+    assert _signature((t,), ((1, torch.tensor(2)),)) is None
+    assert _signature((t,), (None, True, 1, 0.5, "x", int, (-1, 0))) is not None

@@ -328,8 +328,9 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
                    plain: bool = False) -> TileConfig:
     """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
     calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and
-    ``plain`` calls (:attr:`Variants.plain`: dense, no mask of any kind, no other variant) with many
-    query tiles :data:`_SHORT_WIDE_FWD`'s.
+    ``plain`` calls (:attr:`Variants.plain`: dense or varlen, no mask of any kind, no other variant,
+    no kv cache) with many query tiles :data:`_SHORT_WIDE_FWD`'s (varlen: q holds exactly the
+    sequences' tokens, cu_seqlens_q[-1] rows, as the API requires).
 
     ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared

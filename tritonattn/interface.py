@@ -117,13 +117,16 @@ def _dropout_seed(device) -> torch.Tensor:
 # Not while torch.compile traces, not with ALiBi slopes (a tensor).
 _VALIDATED: dict = {}
 _Tensor = torch.Tensor
+_PLAIN = (type(None), bool, int, float, str, type)
 
 
 def _signature(tensors: tuple, options: tuple) -> tuple | None:
     """Key of a call for remembered checks: type, shape, dtype and device of each tensor argument
     (None where absent) and the type and value of each option (types too, so that True is not taken
     for an accepted 1; a list or tuple option element by element). None when a tensor argument is
-    not a plain tensor or an option is unhashable: such calls take the checks, which name them."""
+    not a plain tensor or an option (element) is not None, a bool, an int, a float, a string or a
+    type (a 0-d tensor flag would hash by identity and may change in place): such calls take the
+    checks, which name what is wrong."""
     key = []
     for t in tensors:
         if t is None:
@@ -133,13 +136,15 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
         else:
             return None
     for o in options:
-        key.append(tuple((type(x), x) for x in o) if type(o) in (list, tuple) else (type(o), o))
-    key = tuple(key)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+        if type(o) in (list, tuple):
+            if any(type(x) not in _PLAIN for x in o):
+                return None
+            key.append(tuple((type(x), x) for x in o))
+        elif type(o) in _PLAIN:
+            key.append((type(o), o))
+        else:
+            return None
+    return tuple(key)
 
 
 def _remember(key, var: Variants) -> None:
