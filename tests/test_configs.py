@@ -207,6 +207,21 @@ def test_short_wide_forward_tile(monkeypatch):
     assert pick(q) == configs._INTERP["fwd"]
 
 
+def test_batch_invariant_switch_turns_off_the_length_tiles(monkeypatch):
+    """TRITONATTN_BATCH_INVARIANT: no short or wide tile; every mode takes the table's tile."""
+    monkeypatch.setattr(configs, "_on_device", lambda q: True)
+    table = configs.table_configs()
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16).expand(32, 512, 16, 128)  # 2048 tiles
+    assert configs.forward_config(q, False, seqlen=512, plain=True) == configs._SHORT_WIDE_FWD[128]
+    assert configs.forward_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["fwd"][128]
+    assert configs.backward_dq_config(q, True, seqlen=512) == configs._SHORT_CAUSAL["bwd_dq"][128]
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+    for causal in (False, True):
+        assert configs.forward_config(q, causal, seqlen=512, plain=True) == table["fwd"][(128, 2, causal)]
+        assert configs.backward_dq_config(q, causal, seqlen=512) == table["bwd_dq"][(128, 2, causal)]
+        assert configs.backward_dkdv_config(q, causal, seqlen=512) == table["bwd_dkdv"][(128, 2, causal)]
+
+
 def test_plain_variants():
     """Variants.plain (what the wide tile asks for) is False for every option but the scale and
     varlen's sequence offsets."""

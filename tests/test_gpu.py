@@ -216,6 +216,34 @@ def test_varlen_on_gpu(causal, poison):
     check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch):
+    """With TRITONATTN_BATCH_INVARIANT, a sequence of a packed batch gives bitwise what a dense call
+    on it alone gives, where the default would pick other tiles for the two calls: a short
+    non-causal batch with many query tiles (the wide tile), and a causal batch longer than
+    configs.SHORT_SEQLEN holding short sequences (the short tiles)."""
+    from tritonattn import flash_attn_varlen_func
+
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+    torch.manual_seed(3)
+    lens = [1500, 700, 1, 1024, 333] * 2 if causal else [1000, 1, 777, 1024, 513] * 5
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total = sum(lens)
+    q = torch.randn(total, 32, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    v = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in (1, 2, 4):  # sequences the default would give other tiles than their own dense call
+        s0, s1 = cu[b].item(), cu[b + 1].item()
+        qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t in (q, k, v))
+        ob, lseb, _ = flash_attn_func(qb, kb, vb, causal=causal, return_attn_probs=True)
+        gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[s0:s1][None])
+        assert torch.equal(out[s0:s1], ob[0]) and torch.equal(lse[:, s0:s1], lseb[0]), b
+        assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), b
+
+
 def test_varlen_short_wide_forward_tile(poison, monkeypatch):
     """A short varlen call without causal masking and with many query tiles (ragged, an empty and
     a length-1 sequence) takes the wide tile, and matches the reference."""

@@ -86,6 +86,13 @@ def _l2_bytes(index: int) -> int:
 DKDV_MASKED_STAGES: int | None = max(1, int(os.environ["TRITONATTN_DKDV_MASKED_STAGES"])) \
     if os.environ.get("TRITONATTN_DKDV_MASKED_STAGES") else None
 
+# Batch invariance (TRITONATTN_BATCH_INVARIANT=1, read once here): no tile chosen by the call's
+# lengths or size (the short and wide tiles below), so a sequence's result is bitwise the same
+# whatever else the batch holds, dense or varlen, forward and backward: every tile then depends only
+# on the GPU, head dim, dtype, causal mask and kernel (and the bias / dropout caps). Off by default:
+# those tiles gained 3-21% at S <= 1024 (benchmarks/NOTES.md).
+BATCH_INVARIANT: bool = env_flag("TRITONATTN_BATCH_INVARIANT")
+
 # CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
 MAX_GRID_YZ = 65535
 
@@ -303,8 +310,10 @@ _SHORT_CAUSAL = {
 
 def _short(mode: str, q: torch.Tensor, seqlen: int) -> bool:
     """A 16-bit call on the GPU of at most SHORT_SEQLEN queries and keys (``seqlen``: its longest
-    length, 0 when not known) whose ``mode`` config is not forced: the short tiles may apply."""
-    return 0 < seqlen <= SHORT_SEQLEN and mode not in _override and q.element_size() == 2 and _on_device(q)
+    length, 0 when not known) whose ``mode`` config is not forced, without BATCH_INVARIANT: the
+    short tiles may apply."""
+    return (0 < seqlen <= SHORT_SEQLEN and mode not in _override and not BATCH_INVARIANT and q.element_size() == 2
+            and _on_device(q))
 
 
 def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:

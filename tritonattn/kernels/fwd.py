@@ -286,8 +286,9 @@ def attention_forward(q, k, v, var: Variants):
     if tma:
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST)  # (heads_first's other inputs are in the key; MAX_GRID_YZ
-    # is a constant, changed only by tests, which clear the plans)
+           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT)
+    # (heads_first's other inputs are in the key; MAX_GRID_YZ is a constant, changed only by tests,
+    # which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
