@@ -199,21 +199,24 @@ def test_variants_on_gpu(name, B, S, Hq, Hkv, D, kw, dtype, poison):
                             dbias=grads[3] if bias is not None else None, **ref_kw)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_on_gpu(causal, poison):
+def _packed_run(lens, Hq, Hkv, causal, seed):
+    """A bf16 D=128 varlen forward + backward over sequences of ``lens`` (self-attention):
+    ``(cu, (q, k, v), out, lse, dout, (dq, dk, dv))``."""
     from tritonattn import flash_attn_varlen_func
 
-    torch.manual_seed(1)
-    lens = [4000, 1, 0, 2047, 3333, 129]
+    torch.manual_seed(seed)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     total = sum(lens)
-    q = torch.randn(total, 16, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    k = torch.randn(total, 4, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    v = torch.randn(total, 4, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
+    qkv = tuple(torch.randn(total, h, 128, device=DEVICE, dtype=BF16, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    out, lse, _ = flash_attn_varlen_func(*qkv, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, causal)
+    return cu, qkv, out, lse, dout, torch.autograd.grad(out, qkv, dout)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_on_gpu(causal, poison):
+    cu, qkv, out, lse, dout, grads = _packed_run([4000, 1, 0, 2047, 3333, 129], 16, 4, causal, seed=1)
+    check_varlen_against_reference(*qkv, out, lse, grads, dout, cu, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -222,19 +225,9 @@ def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch)
     on it alone gives, where the default would pick other tiles for the two calls: a short
     non-causal batch with many query tiles (the wide tile), and a causal batch longer than
     configs.SHORT_SEQLEN holding short sequences (the short tiles)."""
-    from tritonattn import flash_attn_varlen_func
-
     monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
-    torch.manual_seed(3)
     lens = [1500, 700, 1, 1024, 333] * 2 if causal else [1000, 1, 777, 1024, 513] * 5
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    total = sum(lens)
-    q = torch.randn(total, 32, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    k = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    v = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
-    dout = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 32, 8, causal, seed=3)
     for b in (1, 2, 4):  # sequences the default would give other tiles than their own dense call
         s0, s1 = cu[b].item(), cu[b + 1].item()
         qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t in (q, k, v))
@@ -247,8 +240,6 @@ def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch)
 def test_varlen_short_wide_forward_tile(poison, monkeypatch):
     """A short varlen call without causal masking and with many query tiles (ragged, an empty and
     a length-1 sequence) takes the wide tile, and matches the reference."""
-    from tritonattn import flash_attn_varlen_func
-
     picked, real = [], configs.forward_config
 
     def spy(*args, **kwargs):
@@ -256,17 +247,9 @@ def test_varlen_short_wide_forward_tile(poison, monkeypatch):
         return picked[-1]
 
     monkeypatch.setattr(configs, "forward_config", spy)
-    torch.manual_seed(2)
-    lens = [1000, 1, 0, 777, 1024, 513] * 4
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    total = sum(lens)  # 13260 tokens x 32 heads / 128: 3315 query tiles
-    q = torch.randn(total, 32, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    k = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    v = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), return_attn_probs=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    check_varlen_against_reference(q, k, v, out, lse, grads, dout, cu, False)
+    # 13260 tokens x 32 heads / 128: 3315 query tiles
+    cu, qkv, out, lse, dout, grads = _packed_run([1000, 1, 0, 777, 1024, 513] * 4, 32, 8, False, seed=2)
+    check_varlen_against_reference(*qkv, out, lse, grads, dout, cu, False)
     assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
 
 
