@@ -166,6 +166,7 @@ def test_remembered_signature_matches_and_checks_still_run(poison):
         scaled_dot_product_attention(q, k[:1], v[:1], is_causal=True, enable_gqa=True)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_signature_refuses_nested_tensors_and_tensor_options():
     """A strided nested tensor has no shape, and a tensor option hashes by identity (its value may
     change in place): no remembered signature, the checks run. Plain values and types are kept."""
