@@ -208,22 +208,16 @@ def _fwd_kernel(
         True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND, HAS_DROPOUT, PAGED, SCALE_POS,
         HEAD_DIM, BLOCK_N, DOT_FP32, PRECISION, TMA, WS)
 
-    _fwd_store(acc, l_i, m_i, LSE + offs_m, O + off_b * stride_ob + off_h * stride_oh + offs_d[None, :] * stride_od,
-               offs_m, stride_om, m_ok, d_ok, dropout_p, HAS_DROPOUT)
-
-
-@triton.jit
-def _fwd_store(acc, l_i, m_i, p_lse, p_o, offs_m, stride_om, m_ok, d_ok, dropout_p, HAS_DROPOUT: tl.constexpr):
-    """Normalize a query tile's output and store it with its LSE (``p_lse``: the tile's rows;
-    ``p_o``: the head's base with the head-dim offsets). Rows that saw no key: output 0, lse -inf."""
+    # rows that saw no key: output 0, lse -inf
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
     if HAS_DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-    tl.store(p_lse, lse, mask=m_ok)
-    tl.store(p_o + offs_m[:, None].to(tl.int64) * stride_om, acc.to(p_o.dtype.element_ty),
+    tl.store(LSE + offs_m, lse, mask=m_ok)
+    p_o = O + off_b * stride_ob + off_h * stride_oh + offs_d[None, :] * stride_od
+    tl.store(p_o + offs_m[:, None].to(tl.int64) * stride_om, acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
 
