@@ -147,11 +147,25 @@ def _signature(tensors: tuple, options: tuple) -> tuple | None:
     return tuple(key)
 
 
-def _remember(key, var: Variants) -> None:
-    if len(_VALIDATED) >= 4096:
-        _VALIDATED.clear()
-    _VALIDATED[key] = dict(softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right,
-                           softcap=var.softcap, dropout_p=var.dropout_p, deterministic=var.deterministic)
+def _remember(key, var: Variants, store: dict = _VALIDATED) -> None:
+    """Keep the Variants fields of a signature that passed the checks (``store``: the entry
+    point's own dict)."""
+    if len(store) >= 4096:
+        store.clear()
+    store[key] = dict(softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right,
+                      softcap=var.softcap, dropout_p=var.dropout_p, deterministic=var.deterministic)
+
+
+def _recall(key, dropout_p, q: torch.Tensor, store: dict = _VALIDATED) -> Variants | None:
+    """The Variants of a signature :func:`_remember` kept (with dropout, a seed of this call's own,
+    on ``q``'s device), or None: the call takes the checks."""
+    fields = None if key is None else store.get(key)
+    if fields is None:
+        return None
+    var = Variants(**fields)
+    if dropout_p > 0:
+        var.seed = _dropout_seed(q.device)
+    return var
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
@@ -265,12 +279,8 @@ def flash_attn_func(
     compiling = torch.compiler.is_compiling()
     key = None if compiling or alibi_slopes is not None else _signature(
         (q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
-    fields = None if key is None else _VALIDATED.get(key)
-    if fields is not None:  # this exact signature passed the checks before
-        var = Variants(**fields)
-        if dropout_p > 0:
-            var.seed = _dropout_seed(q.device)
-    else:
+    var = _recall(key, dropout_p, q)  # None unless this exact signature passed the checks before
+    if var is None:
         _check_tensor("q", q, 4)
         _check_tensor("k", k, 4)
         _check_tensor("v", v, 4)

@@ -61,72 +61,62 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` computed by tritonattn's kernels (see the module doc)."""
     from tritonattn.interface import (
-        Variants,
         _apply,
         _check_mask_and_bias,
         _check_options,
         _check_qkv,
-        _dropout_seed,
+        _recall,
+        _remember,
         _signature,
     )
 
     sig = None
     if attn_mask is None and not torch.compiler.is_compiling():
         sig = _signature((query, key, value), (dropout_p, is_causal, scale, enable_gqa))
-        fields = None if sig is None else _VALIDATED.get(sig)
-        if fields is not None:  # this exact signature passed the checks before
-            lead = query.shape[:-3]
-            B = math.prod(lead) if lead else 1
-            Hq, Sq, D = query.shape[-3:]
-            var = Variants(**fields)
-            if dropout_p > 0:
-                var.seed = _dropout_seed(query.device)
-            out, _, _ = _apply("none", var, False, (query.reshape(B, Hq, Sq, D).transpose(1, 2),
-                                                    key.reshape(B, *key.shape[-3:]).transpose(1, 2),
-                                                    value.reshape(B, *value.shape[-3:]).transpose(1, 2)))
-            return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
-    reason = _fallback_reason(query, key, value, attn_mask)
-    if reason is not None:
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"tritonattn: falling back to torch's scaled_dot_product_attention ({reason})",
-                          stacklevel=2)
-        return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                           scale=scale, enable_gqa=enable_gqa)
+    var = _recall(sig, dropout_p, query, _VALIDATED)  # None unless this signature passed the checks
+    if var is None:
+        reason = _fallback_reason(query, key, value, attn_mask)
+        if reason is not None:
+            if reason not in _warned:
+                _warned.add(reason)
+                warnings.warn(f"tritonattn: falling back to torch's scaled_dot_product_attention ({reason})",
+                              stacklevel=2)
+            return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                               scale=scale, enable_gqa=enable_gqa)
 
     lead = query.shape[:-3]
     Hq, Sq, D = query.shape[-3:]
     Hkv, Sk = key.shape[-3], key.shape[-2]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead or value.shape[-2] != Sk or value.shape[-3] != Hkv:
-        raise RuntimeError(f"scaled_dot_product_attention: shapes {tuple(query.shape)}, {tuple(key.shape)}, "
-                           f"{tuple(value.shape)} do not match")
-    if Hq != Hkv and not enable_gqa and Hkv != 1:
-        raise RuntimeError(f"The size of tensor a ({Hq}) must match the size of tensor b ({Hkv}) at non-singleton "
-                           "dimension 1 (pass enable_gqa=True for grouped-query attention)")
+    if var is None:
+        if key.shape[:-3] != lead or value.shape[:-3] != lead or value.shape[-2] != Sk or value.shape[-3] != Hkv:
+            raise RuntimeError(f"scaled_dot_product_attention: shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                               f"{tuple(value.shape)} do not match")
+        if Hq != Hkv and not enable_gqa and Hkv != 1:
+            raise RuntimeError(f"The size of tensor a ({Hq}) must match the size of tensor b ({Hkv}) at "
+                               "non-singleton dimension 1 (pass enable_gqa=True for grouped-query attention)")
     B = math.prod(lead) if lead else 1
     # (..., H, S, D) -> (B, S, H, D) views: no copy when the leading dims flatten
     q = query.reshape(B, Hq, Sq, D).transpose(1, 2)
     k = key.reshape(B, Hkv, Sk, D).transpose(1, 2)
     v = value.reshape(B, Hkv, Sk, D).transpose(1, 2)
-    _check_qkv(q, k, v, names=("query", "key", "value"))
-    var = _check_options(q, k, dropout_p, scale, False, (-1, -1), 0.0, None)
-    if is_causal:
-        var.win_right = Sq - Sk  # top-left: j <= i, i.e. j <= i + (Sk - Sq) + (Sq - Sk)
-    bias = mask = None
-    if attn_mask is not None:
-        m = attn_mask
-        if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
-            m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
-        if m.dtype == torch.bool:
-            mask = m
-        else:
-            bias = m
-    _check_mask_and_bias(q, k, bias, mask, None, var)
-    if sig is not None:
-        if len(_VALIDATED) >= 4096:
-            _VALIDATED.clear()
-        _VALIDATED[sig] = dict(softmax_scale=var.softmax_scale, win_left=var.win_left, win_right=var.win_right,
-                               softcap=var.softcap, dropout_p=var.dropout_p, deterministic=var.deterministic)
+    bias = None
+    if var is None:
+        _check_qkv(q, k, v, names=("query", "key", "value"))
+        var = _check_options(q, k, dropout_p, scale, False, (-1, -1), 0.0, None)
+        if is_causal:
+            var.win_right = Sq - Sk  # top-left: j <= i, i.e. j <= i + (Sk - Sq) + (Sq - Sk)
+        mask = None
+        if attn_mask is not None:
+            m = attn_mask
+            if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
+                m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
+            if m.dtype == torch.bool:
+                mask = m
+            else:
+                bias = m
+        _check_mask_and_bias(q, k, bias, mask, None, var)
+        if sig is not None:
+            _remember(sig, var, _VALIDATED)
     out, _, _ = _apply("none", var, False, (q, k, v), bias)
     return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
 
