@@ -11,9 +11,8 @@ cache); the timing pass then only loads the cached binaries. Candidates that fai
 launch (shared memory) are reported and skipped. Results: a table on stdout and a CSV under $OUT.
 ``--fwd-variants plain tma tma+ws`` times each forward candidate also with K / V read through tensor
 descriptors (``tma``) and with the unmasked loop warp-specialized (``ws``): the launcher's switches
-``kernels.fwd.TMA`` / ``WS``. ``--bwd-variants tma plain`` (default
-``tma``, the library's default on sm_90) times the backward candidates through descriptors and
-through pointers (``kernels.bwd.TMA``).
+``kernels.fwd.TMA`` / ``WS``. ``--bwd-variants tma plain`` (default ``tma``, the library's default on
+sm_90) times the backward candidates through descriptors and through pointers (``kernels.bwd.TMA``).
 ``--cuda-graphs`` times each call as a CUDA graph replay: a forced config takes the launcher's full
 path (no launch plan), whose host time bounds the short sequences (S <= 1024) of eager calls. Every
 forward candidate's output is also compared with an fp32 reference (``max_err`` column).
@@ -134,8 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    p.add_argument("--fwd-variants", nargs="+", default=["plain"],
-                   choices=["plain", "tma", "tma+ws"])
+    p.add_argument("--fwd-variants", nargs="+", default=["plain"], choices=["plain", "tma", "tma+ws"])
     p.add_argument("--bwd-variants", nargs="+", default=["tma"], metavar="plain|tma|msN|tma+msN",
                    help="backward candidates with Q / dO and K / V read through tensor descriptors (tma, the "
                         "library's default on sm_90) or pointers (plain), and (bwd_dkdv) its masked loop "
