@@ -68,9 +68,8 @@ SHORT_CAUSAL_CASES = [(2, 1000, 1000, 8, 2, D, True, dtype) for D in (80, 128) f
 ]
 
 
-@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
-                         ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
-def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+def _spy_on_configs(monkeypatch) -> dict:
+    """{mode: the tile the launchers last asked configs for} (fwd, bwd_dkdv, bwd_dq)."""
     picked = {}
     for mode, name in (("fwd", "forward_config"), ("bwd_dkdv", "backward_dkdv_config"),
                        ("bwd_dq", "backward_dq_config")):
@@ -81,6 +80,13 @@ def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkey
             return picked[_mode]
 
         monkeypatch.setattr(configs, name, spy)
+    return picked
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
+                         ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
+def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    picked = _spy_on_configs(monkeypatch)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     padded = configs.padded_head_dim(D)
     # the backward's short tiles need the default backward (the opt-in atomic dQ has its own dK/dV
@@ -95,15 +101,7 @@ def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkey
 
 def test_short_causal_backward_through_pointers(poison, monkeypatch):
     """The backward through pointers (TRITONATTN_BWD_TMA=0): the short dQ tile, _POINTER_DKDV's dK/dV."""
-    picked = {}
-    for mode, name in (("bwd_dkdv", "backward_dkdv_config"), ("bwd_dq", "backward_dq_config")):
-        real = getattr(configs, name)
-
-        def spy(*args, _real=real, _mode=mode, **kwargs):
-            picked[_mode] = _real(*args, **kwargs)
-            return picked[_mode]
-
-        monkeypatch.setattr(configs, name, spy)
+    picked = _spy_on_configs(monkeypatch)
     monkeypatch.setattr(bwd, "TMA", False)
     _run_and_check(2, 1000, 999, 8, 2, 128, True, BF16)
     if not bwd.atomic_dq_enabled():
