@@ -1,0 +1,131 @@
+"""The Gluon sm_90 forward (kernels/fwd_sm90.py) against the Triton forward and cuDNN, on the H200.
+
+First checks it on odd shapes against the fp64 reference (the tolerance rule of the tests), then
+times tiles of it beside the library's default forward and SDPA's cuDNN backend, each as the
+median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (Hq=32, Hkv=8) at
+16k tokens per batch, bf16.
+
+    python scripts/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
+        [--tiles 128,128,8,3 128,64,8,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from tritonattn import flash_attn_func  # noqa: E402
+from tritonattn.kernels import fwd, fwd_sm90  # noqa: E402
+from tritonattn.kernels.common import LOG2E  # noqa: E402
+from tritonattn.testing import attention_ref, check_close  # noqa: E402
+
+
+def run(q, k, v, causal, tile, win_right=0):
+    bm, bn, warps, stages = tile
+    B, Sq, Hq, D = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
+    fwd._need_allocator()
+    fwd_sm90._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
+        *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value),
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, num_warps=warps)
+    return out, lse
+
+
+def check(tiles) -> int:
+    failures = 0
+    cases = [  # B, Sq, Sk, Hq, Hkv, D, causal
+        (2, 1000, 1000, 4, 2, 128, False), (2, 1000, 1000, 4, 2, 128, True), (1, 77, 300, 4, 1, 128, True),
+        (1, 300, 77, 4, 4, 128, True), (1, 300, 77, 4, 4, 64, False), (3, 129, 129, 2, 2, 64, True),
+        (1, 1, 1, 2, 1, 128, False), (1, 1, 513, 2, 1, 64, True), (2, 2048, 2048, 8, 2, 128, True),
+        (1, 17, 4096, 2, 2, 128, False),
+    ]
+    for tile in tiles:
+        for B, Sq, Sk, Hq, Hkv, D, causal in cases:
+            torch.manual_seed(0)
+            q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
+            if tile[0] > 16 * tile[2]:
+                continue
+            out, lse = run(q, k, v, causal, tile)
+            ref, ref_lse = attention_ref(q, k, v, causal=causal)
+            same, same_lse = attention_ref(q, k, v, causal=causal, upcast=False)
+            label = f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}-D{D}{'-causal' if causal else ''}"
+            try:
+                check_close("out", out, ref, same, 2)
+                check_close("lse", lse, ref_lse, same_lse, 2)
+                print("ok  ", label, flush=True)
+            except AssertionError as e:
+                failures += 1
+                print("FAIL", label, e, flush=True)
+    return failures
+
+
+def graph_time(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+
+
+def bench(seqlens, head_dims, tiles) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    print("| D | S | causal | backend | ms | TFLOP/s | x cuDNN | x triton |")
+    print("|---|---|---|---|---|---|---|---|")
+    for D in head_dims:
+        Hq, Hkv = (32, 8) if D == 128 else (2048 // D, 2048 // D // 4)
+        for S in seqlens:
+            B = max(1, 16384 // S)
+            for causal in (False, True):
+                q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+                flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                times = {}
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        sdpa(qt, kt, vt, is_causal=causal, enable_gqa=True)
+
+                times["cudnn"] = graph_time(cudnn)
+                times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
+                for tile in tiles:
+                    if tile[0] > 16 * tile[2]:
+                        continue
+                    try:
+                        times[f"gluon {tile}"] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
+                    except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
+                        print(f"| {D} | {S} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} | | | |")
+                for name, ms in times.items():
+                    print(f"| {D} | {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
+                          f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--tiles", nargs="+", default=["128,128,8,3", "128,64,8,4", "128,64,8,3", "64,128,4,3",
+                                                  "64,64,4,3", "64,64,4,2"])
+    p.add_argument("--no-check", action="store_true")
+    args = p.parse_args()
+    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    failures = 0 if args.no_check else check(tiles)
+    bench(args.seqlens, args.head_dims, tiles)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
