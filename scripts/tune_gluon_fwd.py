@@ -6,7 +6,7 @@ median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (H
 16k tokens per batch, bf16.
 
     python scripts/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
-        [--tiles 128,128,8,3 128,64,8,4]
+        [--tiles 128,128,8,3,0 128,128,8,3,1]   (BLOCK_M, BLOCK_N, warps, stages, lazy rescaling)
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0):
-    bm, bn, warps, stages = tile
+    bm, bn, warps, stages, lazy = tile
     B, Sq, Hq, D = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
     fwd_sm90._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value),
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, num_warps=warps)
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAZY=bool(lazy), num_warps=warps)
     return out, lse
 
 
@@ -117,8 +117,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tiles", nargs="+", default=["128,128,8,3", "128,64,8,4", "128,64,8,3", "64,128,4,3",
-                                                  "64,64,4,3", "64,64,4,2"])
+    # BLOCK_M, BLOCK_N, warps, stages, lazy rescaling (0 / 1)
+    p.add_argument("--tiles", nargs="+", default=["128,128,8,3,0", "128,128,8,3,1", "128,64,8,4,1", "128,64,8,3,1",
+                                                  "64,64,4,3,1", "64,128,4,3,1"])
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]

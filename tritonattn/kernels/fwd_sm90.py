@@ -18,6 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -47,16 +48,21 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 
 
 @gluon.jit
-def _kv_block(j, n_blocks, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Start the TMA loads of key / value block ``j`` into its ring slot (none past the last block;
+def _load_block(j, n_blocks, desc, smem, bars, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA load of key or value block ``j`` into its ring slot (none past the last block;
     block 0 always, which the kernel reads even when no key is visible)."""
     slot = j % STAGES
     ok = (j < n_blocks) | (j == 0)
-    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot), pred=ok)
-    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot), pred=ok)
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(desc, [j * BLOCK_N, 0], bars.index(slot), smem.index(slot), pred=ok)
+
+
+@gluon.jit
+def _kv_block(j, n_blocks, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Key and value block ``j``."""
+    _load_block(j, n_blocks, k_desc, k_smem, k_bars, BLOCK_N, STAGES)
+    _load_block(j, n_blocks, v_desc, v_smem, v_bars, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -76,13 +82,62 @@ def _block_loop(lo, hi, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
                                              MASKED, CAUSAL)
-        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+        # the probabilities pass through the wait: without them, ptxas scheduled the wait before
+        # the exponentials, and the softmax no longer overlapped P_{j-1} V_{j-1} (read in the SASS)
+        acc, p, p32, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p, p32, l_i))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
         # both warpgroups are done with slot `prev` (K_{j-1} and V_{j-1}): refill it
         gl.thread_barrier()
         _kv_block(j - 1 + STAGES, n_blocks, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, BLOCK_N, STAGES)
     return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _block_loop_lazy(lo, hi, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, acc, p, p_fly,
+                     m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
+                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """As :func:`_block_loop`, with FlashAttention-4's lazy rescaling: the running max moves only when
+    some row's max grew by more than 2^8, so most blocks never wait for P_{j-1} V_{j-1} and the
+    next block's P V chains onto it in the tensor cores. ``p_fly``: the probabilities P_{j-2} V_{j-2}
+    reads, kept alive until that product is known done."""
+    for j in range(lo, hi):
+        slot = j % STAGES
+        mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        prev = (j - 1) % STAGES
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        # S_j done, and with it every older product (P_{j-2} V_{j-2}: p_fly is free)
+        s, p_fly = warpgroup_mma_wait(num_outstanding=1, deps=(s, p_fly))
+        p_fly = p
+        if MASKED:
+            cols = j * BLOCK_N + offs_n
+            keep = gl.expand_dims(cols < Sk, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m + causal_shift, 1))
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if gl.max((m_new > m_i + 8.0).to(gl.int32), 0) > 0:
+            acc, p_fly = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_fly))
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_sub)
+            acc = warpgroup_mma_init(acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1))
+            l_i = l_i * alpha
+            m_i = m_new
+        m_sub = m_i
+        if MASKED:
+            m_sub = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p32 = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
+        l_i = l_i + gl.sum(p32, 1)
+        p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
+        # K_{j-1} (read by S_{j-1}) and V_{j-2} (read by P_{j-2} V_{j-2}) are free in both warpgroups
+        gl.thread_barrier()
+        _load_block(j - 1 + STAGES, n_blocks, k_desc, k_smem, k_bars, BLOCK_N, STAGES)
+        if j >= 2:
+            _load_block(j - 2 + STAGES, n_blocks, v_desc, v_smem, v_bars, BLOCK_N, STAGES)
+    return acc, p, p_fly, m_i, l_i
 
 
 @gluon.jit
@@ -95,7 +150,7 @@ def _fwd_sm90_kernel(
     stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, win_right, qk_scale,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, LAZY: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
     # wgmma accumulators: every warp owns 16 rows (BLOCK_M = 16 * num_warps)
@@ -166,18 +221,30 @@ def _fwd_sm90_kernel(
     p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, Sk, causal_shift, qk_scale, True, CAUSAL)
     p = gl.convert_layout(p32.to(dtype), p_layout)
     _kv_block(STAGES - 1, n_blocks, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, BLOCK_N, STAGES)
-
-    # blocks every row sees in full, then the diagonal and the ragged end
-    acc, p, m_i, l_i = _block_loop(1, gl.maximum(n_full, 1), n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars,
-                                   k_desc, v_desc, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift,
-                                   qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-    acc, p, m_i, l_i = _block_loop(gl.maximum(n_full, 1), n_blocks, n_blocks, q_smem, k_smem, v_smem, k_bars,
-                                   v_bars, k_desc, v_desc, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
-                                   causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+    if LAZY:
+        p_fly = p
+        acc = warpgroup_mma_init(acc)  # carried as a product in flight
+        acc, p, p_fly, m_i, l_i = _block_loop_lazy(
+            1, gl.maximum(n_full, 1), n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, acc, p,
+            p_fly, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES,
+            o_layout, p_layout)
+        acc, p, p_fly, m_i, l_i = _block_loop_lazy(
+            gl.maximum(n_full, 1), n_blocks, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, acc,
+            p, p_fly, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES,
+            o_layout, p_layout)
+    else:
+        # blocks every row sees in full, then the diagonal and the ragged end
+        acc, p, m_i, l_i = _block_loop(1, gl.maximum(n_full, 1), n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars,
+                                       k_desc, v_desc, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift,
+                                       qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+        acc, p, m_i, l_i = _block_loop(gl.maximum(n_full, 1), n_blocks, n_blocks, q_smem, k_smem, v_smem, k_bars,
+                                       v_bars, k_desc, v_desc, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
+                                       causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+        p_fly = p
     last = gl.maximum(n_blocks, 1) - 1
     mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+    acc, p, p_fly = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p, p_fly))
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
