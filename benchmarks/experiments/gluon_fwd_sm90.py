@@ -1,12 +1,14 @@
-"""Hopper (sm_90) forward in Gluon: the plain and causal forward with the softmax of one key block
-overlapped with the tensor cores' P @ V of the block before (FlashAttention-3's intra-warpgroup
-pipelining), which Triton's own pipeliner does not schedule (benchmarks/NOTES.md).
+"""An experiment, not part of the library: a Hopper (sm_90) forward in Gluon
+(``triton.experimental.gluon``, shipped with Triton 3.6), the plain and causal forward with
+FlashAttention-3's intra-warpgroup pipelining (the softmax of key block j meant to overlap the
+tensor cores' P_{j-1} V_{j-1}) and, with LAZY, FlashAttention-4's lazy rescaling.
 
-Written in Gluon (``triton.experimental.gluon``, shipped with Triton), where the asynchronous
-warpgroup MMAs, their waits and the TMA / mbarrier pipeline are explicit. Serves only what it was
-measured on: sm_90, 16-bit inputs, head dims 64 / 128, no variant but the causal mask, dense or
-with K / V read through tensor descriptors. Every other call takes ``fwd._fwd_kernel``. The
-interpreter cannot run Gluon: the CPU tier tests the eligibility rule, the GPU tier the kernel.
+Correct on the H200 (fp64 reference, the tests' rule, odd shapes) but not faster than the library's
+Triton forward: 0.95-1.03x at D=128 without LAZY, 0.87-0.96x with it (benchmarks/NOTES.md, tenth
+session, and the SASS findings there: ptxas hoists the wait on P V above the softmax, and the
+compiler puts a CTA barrier before every mbarrier wait and TMA issue). Kept as the starting point
+for a warp-specialized, ping-pong version; measured with tune_gluon_fwd.py beside this.
+Dense inputs (B, S, H, D) with unit dim stride and TMA-aligned strides, 16-bit, D = 64 / 128.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The Gluon sm_90 forward (kernels/fwd_sm90.py) against the Triton forward and cuDNN, on the H200.
+"""The Gluon sm_90 forward (gluon_fwd_sm90.py beside this, an experiment that is not part of the
+library: benchmarks/NOTES.md, tenth session) against the Triton forward and cuDNN, on the H200.
 
 First checks it on odd shapes against the fp64 reference (the tolerance rule of the tests), then
 times tiles of it beside the library's default forward and SDPA's cuDNN backend, each as the
 median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (Hq=32, Hkv=8) at
 16k tokens per batch, bf16.
 
-    python scripts/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
+    python benchmarks/experiments/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
         [--tiles 128,128,8,3,0 128,128,8,3,1]   (BLOCK_M, BLOCK_N, warps, stages, lazy rescaling)
 """
 
@@ -15,13 +16,15 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+import gluon_fwd_sm90 as fwd_sm90  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
-from tritonattn.kernels import fwd, fwd_sm90  # noqa: E402
+from tritonattn.kernels import fwd  # noqa: E402
 from tritonattn.kernels.common import LOG2E  # noqa: E402
 from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
