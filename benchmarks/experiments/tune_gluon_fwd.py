@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import gluon_fwd_sm90 as fwd_sm90  # noqa: E402
+import gluon_fwd_ws  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -30,15 +31,26 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0):
-    bm, bn, warps, stages, lazy = tile
+    """tile: (BLOCK_M, BLOCK_N, warps, stages, lazy) for gluon_fwd_sm90, or ("ws", BLOCK_N, stages)
+    for the warp-specialized ping-pong kernel of gluon_fwd_ws."""
     B, Sq, Hq, D = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
+    args = fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value)
+    if tile[0] == "ws":
+        _, bn, stages = tile
+        gluon_fwd_ws._fwd_ws_kernel[(triton.cdiv(Sq, 128), B * Hq)](
+            *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, num_warps=4, maxnreg=168)
+        return out, lse
+    bm, bn, warps, stages, lazy = tile
     fwd_sm90._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
-        *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value),
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAZY=bool(lazy), num_warps=warps)
+        *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAZY=bool(lazy), num_warps=warps)
     return out, lse
+
+
+def fits(tile) -> bool:
+    return tile[0] == "ws" or tile[0] <= 16 * tile[2]
 
 
 def check(tiles) -> int:
@@ -55,7 +67,7 @@ def check(tiles) -> int:
             q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            if tile[0] > 16 * tile[2]:
+            if not fits(tile):
                 continue
             out, lse = run(q, k, v, causal, tile)
             ref, ref_lse = attention_ref(q, k, v, causal=causal)
@@ -105,7 +117,7 @@ def bench(seqlens, head_dims, tiles) -> None:
                 times["cudnn"] = graph_time(cudnn)
                 times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
                 for tile in tiles:
-                    if tile[0] > 16 * tile[2]:
+                    if not fits(tile):
                         continue
                     try:
                         times[f"gluon {tile}"] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
@@ -120,12 +132,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    # BLOCK_M, BLOCK_N, warps, stages, lazy rescaling (0 / 1)
+    # BLOCK_M, BLOCK_N, warps, stages, lazy rescaling (0 / 1); or ws:BLOCK_N,stages (gluon_fwd_ws)
     p.add_argument("--tiles", nargs="+", default=["128,128,8,3,0", "128,128,8,3,1", "128,64,8,4,1", "128,64,8,3,1",
                                                   "64,64,4,3,1", "64,128,4,3,1"])
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    tiles = [("ws", *(int(x) for x in t[3:].split(","))) if t.startswith("ws:") else tuple(int(x) for x in t.split(","))
+             for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, args.head_dims, tiles)
     return 1 if failures else 0

@@ -1,0 +1,212 @@
+"""An experiment, not part of the library: the Gluon sm_90 forward of gluon_fwd_sm90.py rebuilt as
+FlashAttention-3 schedules it on Hopper: warp-specialized, with ping-pong between two consumer
+warpgroups.
+
+A program owns 128 query rows. Three partitions:
+- producer (1 warp): the TMA loads of Q (once) and of K / V into a ring of STAGES slots, each slot
+  refilled when both consumers have released it (an mbarrier with two arrivals);
+- consumer 0 (the default partition, 4 warps) and consumer 1 (a worker, 4 warps): 64 query rows
+  each, over the same key blocks. They take turns on the tensor cores: a consumer waits for its
+  turn, issues S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products
+  and runs its softmax while the other's products run.
+No CTA-wide barrier in the loop: partitions talk through mbarriers only. Same inputs and outputs
+as gluon_fwd_sm90._fwd_sm90_kernel (dense (B, S, H, D), 16-bit, D = 64 / 128, causal or not).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gluon_fwd_sm90 import LN2, _softmax_step  # noqa: E402
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, start_m,
+              n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads: Q's two 64-row halves once, then K / V block j into slot j % STAGES once both
+    consumers released the block that was there (block 0 always: the consumers read it even
+    when no key is visible)."""
+    HALF: gl.constexpr = q_smem.type.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bar, q_smem.index(1))
+    for j in range(0, gl.maximum(n_blocks, 1)):
+        slot = j % STAGES
+        # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
+        mbarrier.wait(empty_bars.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _consumer_steps(lo, hi, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p,
+                    m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
+                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
+    P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
+    rescale, and block j-1's slot released."""
+    for j in range(lo, hi):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+        # consumer 0's turns are odd phases of its barrier (the first passes at once), consumer 1's even
+        mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn_bars.index(1 - WG))
+        s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
+        mbarrier.arrive(empty_bars.index(prev))
+        p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
+                                             MASKED, CAUSAL)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
+    return acc, p, m_i, l_i
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, O, LSE, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
+              turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Query rows [start_m + 64 WG, + 64) of the program over every key block, then their output."""
+    HALF: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row0 = start_m + WG * HALF
+    offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    q = q_smem.index(WG)
+
+    # block 0 (always, masked)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    mbarrier.wait(turn_bars.index(WG), 1 - WG)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn_bars.index(1 - WG))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, Sk, causal_shift, qk_scale, True, CAUSAL)
+    p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), WG, q, k_smem, v_smem, k_bars, v_bars, empty_bars,
+                                       turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift,
+                                       qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+    acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, WG, q, k_smem, v_smem, k_bars, v_bars,
+                                       empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
+                                       causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+    # the last block's P V, in turn
+    last = gl.maximum(n_blocks, 1) - 1
+    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+    turns = gl.maximum(n_blocks, 1)
+    mbarrier.wait(turn_bars.index(WG), (turns & 1) ^ (1 - WG))
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+    mbarrier.arrive(turn_bars.index(1 - WG))
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+
+    # rows that saw no key: output 0, lse -inf
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    gl.store(LSE + offs_m, lse, mask=offs_m < Sq)
+    inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    out = (acc * gl.expand_dims(inv, 1)).to(dtype)
+    o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    p_o = O + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0)
+    gl.store(p_o, out, mask=gl.expand_dims(o_rows < Sq, 1))
+
+
+@gluon.jit
+def _fwd_ws_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    Hq, GROUP, Sq, Sk, win_right, qk_scale,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    BLOCK_M: gl.constexpr = 128
+    HALF: gl.constexpr = 64
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:  # the last query blocks have the most keys: launch them first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    off_b = (bh // Hq).to(gl.int64)
+    off_h = (bh % Hq).to(gl.int64)
+    off_hk = off_h // GROUP
+    start_m = pid_m * BLOCK_M
+
+    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, [Sq, HEAD_DIM], [stride_qm, 1],
+                                        [HALF, HEAD_DIM], tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [Sk, HEAD_DIM], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_DIM], tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [Sk, HEAD_DIM], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_DIM], tile_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
+    fence_async_shared()
+
+    causal_shift = Sk - Sq + win_right
+    hi = Sk
+    full_hi = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_shift, 0), Sk)
+        full_hi = gl.minimum(gl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    n_full = full_hi // BLOCK_N
+
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    lse_base = LSE + off_b * stride_lse_b + off_h * stride_lse_h
+    gl.warp_specialize([
+        (_consumer, (0, o_base, lse_base, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
+                     turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full, CAUSAL, HEAD_DIM,
+                     BLOCK_N, STAGES)),
+        (_consumer, (1, o_base, lse_base, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
+                     turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full, CAUSAL, HEAD_DIM,
+                     BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, start_m,
+                     n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [240, 24])
