@@ -95,13 +95,15 @@ def main(argv=None) -> int:
     # the table's sm90 configs, as on a CUDA device
     configs._on_device = lambda q: True
     # the atomic-dQ path's TMA reductions (sm_90 only; TRITONATTN_ATOMIC_DQ_TMA=0 keeps per-element atomics)
-    from tritonattn.kernels import bwd, decode
+    from tritonattn.kernels import bwd, decode, fwd
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, **kw):
         with contextlib.ExitStack() as stack:
+            # the Gluon sm_90 forward only where a case asks for it (the others compile the Triton kernel)
+            stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
@@ -165,6 +167,11 @@ def main(argv=None) -> int:
             plans += [
                 (f"plain-{dt}", 128, dtypes[dt], dict(base), {}),
                 (f"plain-long-{dt}", 128, dtypes[dt], dict(base), dict(s=2048)),
+                # the Gluon forward (kernels/fwd_sm90.py: warp-specialized, ping-pong), and with a
+                # window's right edge (SDPA's top-left causal mask when Sq != Sk)
+                (f"gluon-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True)),
+                (f"gluon-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True)),
+                (f"gluon-right-edge-{dt}", 128, dtypes[dt], dict(win_right=-300), dict(s=2048, gluon=True)),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
 
-from tritonattn import configs, flash_attn_func
-from tritonattn.kernels import bwd
+from tritonattn import configs, flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from tritonattn.kernels import bwd, fwd, launch, plan
 from tritonattn.testing import random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -128,9 +128,108 @@ def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, m
     assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
 
 
+@pytest.mark.parametrize("gluon", [True, False], ids=["default", "triton-fwd"])
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
-def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison):
+def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, gluon, poison, monkeypatch):
+    """Default: the D=128 cases take the Gluon forward (kernels/fwd_sm90.py); triton-fwd: the Triton
+    forward serves them too (its path for varlen and the variants at these lengths)."""
+    if not gluon:
+        if D != 128:
+            pytest.skip("the same path as the default")
+        monkeypatch.setattr(fwd, "GLUON", False)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
+
+
+def _launched(monkeypatch) -> list:
+    """The names of the kernels launched from now on (launch plans cleared: launchers really launch)."""
+    names, real = [], launch.launch
+
+    def record(fn, grid, *args):
+        names.append(fn.__name__)
+        real(fn, grid, *args)
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    return names
+
+
+# the Gluon forward's calls: odd lengths from configs.GLUON_FWD_MIN_SEQLEN on, Sq != Sk both ways
+# (causal rows that see no key), one query or one key, GQA / MQA / MHA, both 16-bit dtypes
+GLUON_CASES = [
+    (2, 2048, 2048, 8, 2, 128, False, BF16),
+    (2, 2048, 2048, 8, 2, 128, True, F16),
+    (1, 2049, 3001, 4, 1, 128, True, BF16),
+    (1, 3001, 2049, 4, 4, 128, True, BF16),
+    (2, 1, 4096, 8, 2, 128, True, BF16),
+    (1, 4100, 1, 4, 1, 128, False, F16),
+    (1, 5000, 5000, 2, 2, 128, True, BF16),
+]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", GLUON_CASES, ids=[case_id(*c) for c in GLUON_CASES])
+def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    """The Gluon sm_90 forward: taken, within the reference's tolerance (out, lse, and the gradients
+    the Triton backward computes from its lse), bitwise the same on a rerun."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    names = _launched(monkeypatch)
+    torch.manual_seed(Sq + Sk)
+    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(q, k, v, out, lse, grads, dout, causal)
+    again, lse2, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("right", [-300, 0, 700])
+def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
+    """A window's right edge alone (SDPA's top-left causal mask is one, at Sq - Sk): the Gluon
+    forward's causal mask shifted, against the reference and the Triton forward."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    torch.manual_seed(5)
+    q, k, v = random_qkv(1, 2500, 3100, 8, 2, 128, BF16, DEVICE)
+    names = _launched(monkeypatch)
+    out, lse, _ = flash_attn_func(q, k, v, window_size=(-1, right), return_attn_probs=True)
+    assert "_fwd_ws_kernel" in names, names
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(q, k, v, out, lse, grads, dout, False, window_size=(-1, right))
+    sdpa_q, sdpa_k, sdpa_v = (t.transpose(1, 2) for t in (q, k, v))
+    top_left = scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, is_causal=True, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(sdpa_q.float(), sdpa_k.float(), sdpa_v.float(),
+                                                           is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(top_left.float(), ref, atol=2e-2, rtol=0)
+
+
+def test_gluon_forward_not_taken(monkeypatch):
+    """Calls the Gluon forward does not serve take the Triton kernel: D=64, a window's left edge,
+    ALiBi, varlen, a forced forward tile, and TRITONATTN_BATCH_INVARIANT."""
+    torch.manual_seed(0)
+    q, k, v = random_qkv(1, 2048, 2048, 4, 2, 128, BF16, DEVICE)
+    q64, k64, v64 = random_qkv(1, 2048, 2048, 4, 2, 64, BF16, DEVICE)
+    cu = torch.tensor([0, 2048], dtype=torch.int32, device=DEVICE)
+    calls = [
+        lambda: flash_attn_func(q64, k64, v64, causal=True),
+        lambda: flash_attn_func(q, k, v, window_size=(100, 0)),
+        lambda: flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.rand(4, device=DEVICE)),
+        lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 2048, 2048, causal=True),
+    ]
+    for call in calls:
+        names = _launched(monkeypatch)
+        call()
+        assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
+    with configs.override(fwd=configs.forward_config(q, True)):
+        names = _launched(monkeypatch)
+        flash_attn_func(q, k, v, causal=True)
+        assert "_fwd_ws_kernel" not in names, names
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+    names = _launched(monkeypatch)
+    flash_attn_func(q, k, v, causal=True)
+    assert "_fwd_ws_kernel" not in names, names
 
 
 def test_deterministic_at_scale():

@@ -7,7 +7,8 @@ Correct on the H200 (fp64 reference, the tests' rule, odd shapes) but not faster
 Triton forward: 0.95-1.03x at D=128 without LAZY, 0.87-0.96x with it (benchmarks/NOTES.md, tenth
 session, and the SASS findings there: ptxas hoists the wait on P V above the softmax, and the
 compiler puts a CTA barrier before every mbarrier wait and TMA issue). Kept as the starting point
-for a warp-specialized, ping-pong version; measured with tune_gluon_fwd.py beside this.
+for the warp-specialized, ping-pong version that is now the library's sm_90 forward at D=128
+(tritonattn/kernels/fwd_sm90.py); measured with tune_gluon_fwd.py beside this.
 Dense inputs (B, S, H, D) with unit dim stride and TMA-aligned strides, 16-bit, D = 64 / 128.
 """
 
@@ -24,29 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_scale,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """Online softmax of one block of raw scores ``s`` (exp2 domain, scale folded into one FMA).
-    Returns the probabilities (fp32), the new running max and sum, and the rescale factor of the
-    accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf."""
-    if MASKED:
-        cols = start_n + offs_n
-        keep = gl.expand_dims(cols < Sk, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m + causal_shift, 1))
-        s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_sub = m_new
-    if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
-    alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
+from tritonattn.kernels.common import LN2
+from tritonattn.kernels.fwd_sm90 import _softmax_step
 
 
 @gluon.jit
@@ -266,10 +246,3 @@ def _fwd_sm90_kernel(
            + gl.expand_dims(o_cols, 0))
     gl.store(p_o, out, mask=gl.expand_dims(o_rows < Sq, 1))
 
-
-def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float) -> tuple:
-    """Runtime arguments of :func:`_fwd_sm90_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
-    with unit dim stride, lse (B, Hq, Sq) contiguous."""
-    hq, hkv = q.shape[2], k.shape[2]
-    return (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale)

@@ -1,5 +1,6 @@
-"""The Gluon sm_90 forward (gluon_fwd_sm90.py beside this, an experiment that is not part of the
-library: benchmarks/NOTES.md, tenth session) against the Triton forward and cuDNN, on the H200.
+"""The Gluon sm_90 forwards against the Triton forward and cuDNN, on the H200: the library's
+warp-specialized ping-pong kernel (tritonattn/kernels/fwd_sm90.py, tiles ws:BLOCK_N,STAGES) and the
+experiment beside this (gluon_fwd_sm90.py; benchmarks/NOTES.md, tenth session).
 
 First checks it on odd shapes against the fp64 reference (the tolerance rule of the tests), then
 times tiles of it beside the library's default forward and SDPA's cuDNN backend, each as the
@@ -19,20 +20,20 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import gluon_fwd_sm90 as fwd_sm90  # noqa: E402
-import gluon_fwd_ws  # noqa: E402
+import gluon_fwd_sm90 as experiment  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
-from tritonattn.kernels import fwd  # noqa: E402
+from tritonattn.kernels import fwd, fwd_sm90  # noqa: E402
 from tritonattn.kernels.common import LOG2E  # noqa: E402
 from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0):
-    """tile: (BLOCK_M, BLOCK_N, warps, stages, lazy) for gluon_fwd_sm90, or ("ws", BLOCK_N, stages)
-    for the warp-specialized ping-pong kernel of gluon_fwd_ws."""
+    """tile: (BLOCK_M, BLOCK_N, warps, stages, lazy) for the experiment beside this
+    (gluon_fwd_sm90), or ("ws", BLOCK_N, stages) for the library's warp-specialized ping-pong
+    kernel (tritonattn/kernels/fwd_sm90.py)."""
     B, Sq, Hq, D = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
@@ -40,11 +41,12 @@ def run(q, k, v, causal, tile, win_right=0):
     args = fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value)
     if tile[0] == "ws":
         _, bn, stages = tile
-        gluon_fwd_ws._fwd_ws_kernel[(triton.cdiv(Sq, 128), B * Hq)](
-            *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, num_warps=4, maxnreg=168)
+        fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq)](
+            *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS,
+            maxnreg=fwd_sm90.MAXNREG)
         return out, lse
     bm, bn, warps, stages, lazy = tile
-    fwd_sm90._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
+    experiment._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
         *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAZY=bool(lazy), num_warps=warps)
     return out, lse
 

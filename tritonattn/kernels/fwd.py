@@ -24,6 +24,11 @@ from tritonattn.kernels.common import (
 from tritonattn.kernels.launch import cdiv, program_grid
 from tritonattn.kernels.variants import Variants
 
+try:  # Gluon ships with Triton, as an experimental API
+    from tritonattn.kernels import fwd_sm90
+except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another Gluon API: the Triton kernel serves all)
+    fwd_sm90 = None
+
 
 @triton.jit
 def _kv_rows(cur_n, k_start, p_bt, page_size, stride_page, stride_row, Sk, PAGED: tl.constexpr):
@@ -228,6 +233,39 @@ TMA = configs.env_flag("TRITONATTN_FWD_TMA")
 WS = configs.env_flag("TRITONATTN_FWD_WS")
 
 
+# The Gluon sm_90 forward (kernels/fwd_sm90.py) for the calls _gluon_ok admits: on by default with the
+# Triton it was written and measured with (3.6; Gluon's API is experimental); TRITONATTN_FWD_GLUON=0
+# turns it off, =1 turns it on with other Triton versions.
+_GLUON_ENV = configs.env_flag("TRITONATTN_FWD_GLUON", default=None)
+GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUON_ENV is None else _GLUON_ENV)
+
+
+def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
+    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128,
+    16-bit, dense, no variant but a causal mask or a window's right edge, keys and queries longer than
+    ``configs.GLUON_FWD_MIN_SEQLEN``, Q / K / V readable through tensor descriptors (see _tma_ok), and
+    not TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernel, so dense calls must too), and
+    no forward tile forced (``configs.override``: the tests and the tuner time the Triton kernel's).
+    Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the Triton kernel at
+    S=8192-16384, 1.01-1.12x at S=2048; no gain at D=64, so not there."""
+    if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override or q.shape[-1] != 128 \
+            or var.varlen:
+        return False
+    if not (var.win_left is None and var.softcap == 0 and var.alibi_slopes is None and var.bias is None
+            and var.mask is None and var.dropout_p == 0 and var.kv_lens is None and var.block_table is None
+            and var.softmax_scale > 0):
+        return False
+    B, Sq, Sk, Hq, _, _ = var.dims(q, k)
+    if Sk == 0 or max(Sq, Sk) < configs.GLUON_FWD_MIN_SEQLEN or B * Hq > configs.MAX_GRID_YZ:
+        return False
+    return _tma_ok(q, k, v, var, q)
+
+
+def _on_sm90(q) -> bool:
+    """q is on an NVIDIA sm_90 GPU (scripts/compile_check.py says yes for CPU tensors)."""
+    return q.is_cuda and _hopper(q.device.index)
+
+
 @functools.cache
 def _hopper(index: int) -> bool:
     """An NVIDIA sm_90 GPU (ROCm reports major 9 for MI200 / MI300 too)."""
@@ -279,8 +317,10 @@ def attention_forward(q, k, v, var: Variants):
     tma = TMA and _tma_ok(q, k, v, var)
     if tma:
         _need_allocator()
+    # the Gluon kernel's choice also depends on the inputs' 16-byte alignment (its descriptors)
+    aligned = GLUON and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT)
+           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, aligned)
     # (heads_first's other inputs are in the key; MAX_GRID_YZ is a constant, changed only by tests,
     # which clear the plans)
     res = plan.replay(key, inputs, q.device)
@@ -293,6 +333,13 @@ def attention_forward(q, k, v, var: Variants):
     out = b.alloc(alloc, q.shape, q.dtype, q.device)
     lse = b.alloc(alloc, var.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0 or Sq == 0:
+        return b.finish((out, lse))
+    if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
+        _need_allocator()
+        b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq),
+                 fwd_sm90.launch_args(q, k, v, out, lse, var.win_right or 0, var.scale_args()[0]),
+                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=fwd_sm90.BLOCK_N,
+                      STAGES=fwd_sm90.STAGES, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))
         return b.finish((out, lse))
     heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
     # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one

@@ -1,22 +1,26 @@
-"""An experiment, not part of the library: the Gluon sm_90 forward of gluon_fwd_sm90.py rebuilt as
-FlashAttention-3 schedules it on Hopper: warp-specialized, with ping-pong between two consumer
-warpgroups.
+"""Hopper (sm_90) forward in Gluon: FlashAttention-3's schedule, which Triton's own compiler does not
+produce from ``tl`` code (benchmarks/NOTES.md, tenth session).
 
-A program owns 128 query rows. Three partitions:
-- producer (1 warp): the TMA loads of Q (once) and of K / V into a ring of STAGES slots, each slot
-  refilled when both consumers have released it (an mbarrier with two arrivals);
-- consumer 0 (the default partition, 4 warps) and consumer 1 (a worker, 4 warps): 64 query rows
-  each, over the same key blocks. They take turns on the tensor cores: a consumer waits for its
+Gluon (``triton.experimental.gluon``, shipped with Triton) makes the warpgroup MMAs, their waits,
+the TMA loads, mbarriers and warp specialization explicit. A program owns 128 query rows and runs
+three partitions:
+- a producer warp: the TMA loads of Q (once) and of K / V into a ring of STAGES slots, each slot
+  refilled once both consumers have released it (an mbarrier with two arrivals);
+- two consumer warpgroups (the default partition and a worker) of 64 query rows each, over the
+  same key blocks. They take turns on the tensor cores ("ping-pong"): a consumer waits for its
   turn, issues S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products
-  and runs its softmax while the other's products run.
-No CTA-wide barrier in the loop: partitions talk through mbarriers only. Same inputs and outputs
-as gluon_fwd_sm90._fwd_sm90_kernel (dense (B, S, H, D), 16-bit, D = 64 / 128, causal or not).
+  and runs its softmax while the other consumer's products run.
+No CTA-wide barrier in the loop: partitions talk only through mbarriers.
+
+Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dim 128,
+dense calls with no variant but a causal mask or a window's right edge, K / V / Q readable through
+tensor descriptors. On the H200 it took the llama forward from 0.79-0.87x cuDNN (the Triton
+kernel) to 0.95-1.00x at S=8192-16384. Every other call takes ``fwd._fwd_kernel``. The interpreter
+cannot run Gluon: the CPU tier compiles this kernel for sm_90 (tests/test_compile_sm90.py) and
+tests the eligibility rule; the GPU tier tests its results.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,8 +32,38 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gluon_fwd_sm90 import LN2, _softmax_step  # noqa: E402
+from tritonattn.kernels.common import LN2
+
+# the tile, measured on the H200 (benchmarks/NOTES.md, tenth session): 128 query rows (two consumer
+# warpgroups of 64), 128-key blocks, 3 K / V slots (229 KB of shared memory); 2 slots lost 6-11%,
+# 64-key blocks 10-14%
+BLOCK_M = 128
+BLOCK_N = 128
+STAGES = 3
+NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
+MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_scale,
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of one block of raw scores ``s`` (exp2 domain, scale folded into one FMA).
+    Returns the probabilities (fp32), the new running max and sum, and the rescale factor of the
+    accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf."""
+    if MASKED:
+        cols = start_n + offs_n
+        keep = gl.expand_dims(cols < Sk, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m + causal_shift, 1))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_sub = m_new
+    if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -210,3 +244,12 @@ def _fwd_ws_kernel(
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, start_m,
                      n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])
+
+
+def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float) -> tuple:
+    """Runtime arguments of :func:`_fwd_ws_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
+    with unit dim stride, lse (B, Hq, Sq) contiguous; ``win_right``: query i sees keys
+    j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal)."""
+    hq, hkv = q.shape[2], k.shape[2]
+    return (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale)

@@ -1,0 +1,85 @@
+"""Which calls the Gluon sm_90 forward serves (kernels.fwd._gluon_ok), decided on CPU tensors as if
+they were on an sm_90 GPU. The interpreter cannot run Gluon: the kernel's sm_90 compile is
+checked by test_compile_sm90.py, its results by the GPU tier (test_gpu.py::test_gluon_forward*)."""
+
+import pytest
+import torch
+
+from tritonattn import configs
+from tritonattn.kernels import fwd
+from tritonattn.kernels.variants import MASK_KEYS, Variants
+
+SCALE = 128 ** -0.5
+
+
+def qkv(B=2, Sq=2048, Sk=2048, Hq=8, Hkv=2, D=128, dtype=torch.bfloat16):
+    return (torch.empty(B, Sq, Hq, D, dtype=dtype), torch.empty(B, Sk, Hkv, D, dtype=dtype),
+            torch.empty(B, Sk, Hkv, D, dtype=dtype))
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+
+    def ok(q, k, v, var=None, sm90=True):
+        return fwd._gluon_ok(q, k, v, var or Variants(softmax_scale=SCALE), sm90)
+
+    return ok
+
+
+def test_serves_plain_causal_and_right_edges(gluon):
+    assert gluon(*qkv())
+    assert gluon(*qkv(dtype=torch.float16))
+    for right in (0, -300, 700):  # causal, SDPA's top-left causal with Sq < Sk, a right edge past the diagonal
+        assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
+    assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense
+    assert gluon(*qkv(Sq=4096, Sk=1, Hkv=1))
+
+
+@pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "fp32", "short",
+                                  "no-keys", "left-edge", "softcap", "alibi", "bias", "mask", "dropout", "varlen",
+                                  "kvcache", "misaligned-rows", "negative-scale"])
+def test_refuses(gluon, monkeypatch, case):
+    q, k, v = qkv()
+    var = Variants(softmax_scale=SCALE)
+    sm90 = True
+    if case == "cpu":
+        sm90 = False
+    elif case == "off":
+        monkeypatch.setattr(fwd, "GLUON", False)
+    elif case == "batch-invariant":
+        monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+    elif case == "forced-tile":
+        monkeypatch.setitem(configs._override, "fwd", configs.TileConfig(128, 64, 8, 2))
+    elif case in ("D64", "D96"):
+        q, k, v = qkv(D=int(case[1:]))
+    elif case == "fp32":
+        q, k, v = qkv(dtype=torch.float32)
+    elif case == "short":
+        q, k, v = qkv(Sq=configs.GLUON_FWD_MIN_SEQLEN - 1, Sk=configs.GLUON_FWD_MIN_SEQLEN - 1)
+    elif case == "no-keys":
+        q, k, v = qkv(Sk=0)
+    elif case == "left-edge":
+        var.win_left, var.win_right = 100, 0
+    elif case == "softcap":
+        var.softcap = 30.0
+    elif case == "alibi":
+        var.alibi_slopes = torch.rand(8)
+    elif case == "bias":
+        var.bias = torch.empty(2, 8, 2048, 2048)
+    elif case == "mask":
+        var.mask, var.mask_kind = torch.ones(2, 2048, dtype=torch.uint8), MASK_KEYS
+    elif case == "dropout":
+        var.dropout_p = 0.1
+    elif case == "varlen":
+        var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 2048, 4096], dtype=torch.int32)
+        var.max_seqlen_q = var.max_seqlen_k = 2048
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    elif case == "kvcache":
+        var.kv_lens = torch.full((2,), 2048, dtype=torch.int32)
+    elif case == "misaligned-rows":  # a head stride of 130 elements: not a multiple of 16 bytes
+        q = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
+    elif case == "negative-scale":
+        var.softmax_scale = -SCALE
+    assert not gluon(q, k, v, var, sm90)
