@@ -35,11 +35,15 @@ def test_serves_plain_causal_and_right_edges(gluon):
         assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
     assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense
     assert gluon(*qkv(Sq=4096, Sk=1, Hkv=1))
+    # without a mask from GLUON_FWD_MIN_SEQLEN_FULL, with one from GLUON_FWD_MIN_SEQLEN
+    full = configs.GLUON_FWD_MIN_SEQLEN_FULL
+    assert gluon(*qkv(Sq=full, Sk=full))
+    assert not gluon(*qkv(Sq=full, Sk=full), Variants(softmax_scale=SCALE, win_right=0))
 
 
 @pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "fp32", "short",
-                                  "no-keys", "left-edge", "softcap", "alibi", "bias", "mask", "dropout", "varlen",
-                                  "kvcache", "misaligned-rows", "negative-scale"])
+                                  "short-causal", "no-keys", "left-edge", "softcap", "alibi", "bias", "mask",
+                                  "dropout", "varlen", "kvcache", "misaligned-rows", "negative-scale"])
 def test_refuses(gluon, monkeypatch, case):
     q, k, v = qkv()
     var = Variants(softmax_scale=SCALE)
@@ -57,7 +61,10 @@ def test_refuses(gluon, monkeypatch, case):
     elif case == "fp32":
         q, k, v = qkv(dtype=torch.float32)
     elif case == "short":
+        q, k, v = qkv(Sq=configs.GLUON_FWD_MIN_SEQLEN_FULL - 1, Sk=configs.GLUON_FWD_MIN_SEQLEN_FULL - 1)
+    elif case == "short-causal":
         q, k, v = qkv(Sq=configs.GLUON_FWD_MIN_SEQLEN - 1, Sk=configs.GLUON_FWD_MIN_SEQLEN - 1)
+        var.win_right = 0
     elif case == "no-keys":
         q, k, v = qkv(Sk=0)
     elif case == "left-edge":

@@ -299,10 +299,12 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #   at S=512, 405.3 / 356.3 at S=1024); calls with any variant (window, softcap, ALiBi, bias, mask,
 #   dropout) and kv-cache or paged calls keep the table's (Variants.plain).
 SHORT_SEQLEN = 1024
-# The Gluon sm_90 forward (kernels/fwd_sm90.py) serves calls whose queries or keys reach this length:
-# measured from S=2048 on (1.01-1.22x the Triton kernel, benchmarks/NOTES.md, tenth session); shorter
-# calls keep the Triton kernel's short tiles above, tuned for them
+# The Gluon sm_90 forward (kernels/fwd_sm90.py) serves calls whose queries or keys reach these
+# lengths (H200, llama shape, benchmarks/NOTES.md, tenth session): with a causal mask or a window's
+# right edge from 2048 (1.01-1.15x the Triton kernel there; 0.67x / 0.86x at 512 / 1024), without
+# from 1024 (1.18x at 1024 with 4096 query tiles; 0.96x at 512)
 GLUON_FWD_MIN_SEQLEN = 2048
+GLUON_FWD_MIN_SEQLEN_FULL = 1024
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {

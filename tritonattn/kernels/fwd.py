@@ -242,12 +242,13 @@ GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUO
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128,
-    16-bit, dense, no variant but a causal mask or a window's right edge, keys and queries longer than
-    ``configs.GLUON_FWD_MIN_SEQLEN``, Q / K / V readable through tensor descriptors (see _tma_ok), and
-    not TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernel, so dense calls must too), and
-    no forward tile forced (``configs.override``: the tests and the tuner time the Triton kernel's).
+    16-bit, dense, no variant but a causal mask or a window's right edge, queries or keys at least
+    ``configs.GLUON_FWD_MIN_SEQLEN`` long (``GLUON_FWD_MIN_SEQLEN_FULL`` without a mask), Q / K / V
+    readable through tensor descriptors (see _tma_ok), not TRITONATTN_BATCH_INVARIANT (varlen calls
+    take the Triton kernel, so dense calls must too), and no forward tile forced
+    (``configs.override``: the tests and the tuner time the Triton kernel's).
     Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the Triton kernel at
-    S=8192-16384, 1.01-1.12x at S=2048; no gain at D=64, so not there."""
+    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64, so not there."""
     if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override or q.shape[-1] != 128 \
             or var.varlen:
         return False
@@ -256,7 +257,8 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
             and var.softmax_scale > 0):
         return False
     B, Sq, Sk, Hq, _, _ = var.dims(q, k)
-    if Sk == 0 or max(Sq, Sk) < configs.GLUON_FWD_MIN_SEQLEN or B * Hq > configs.MAX_GRID_YZ:
+    shortest = configs.GLUON_FWD_MIN_SEQLEN if var.win_right is not None else configs.GLUON_FWD_MIN_SEQLEN_FULL
+    if Sk == 0 or max(Sq, Sk) < shortest or B * Hq > configs.MAX_GRID_YZ:
         return False
     return _tma_ok(q, k, v, var, q)
 
