@@ -31,6 +31,7 @@ def gluon(monkeypatch):
 def test_serves_plain_causal_and_right_edges(gluon):
     assert gluon(*qkv())
     assert gluon(*qkv(dtype=torch.float16))
+    assert gluon(*qkv(D=256))
     for right in (0, -300, 700):  # causal, SDPA's top-left causal with Sq < Sk, a right edge past the diagonal
         assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
     assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense

@@ -241,16 +241,17 @@ GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUO
 
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
-    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128,
-    16-bit, dense, no variant but a causal mask or a window's right edge, queries or keys at least
-    ``configs.GLUON_FWD_MIN_SEQLEN`` long (``GLUON_FWD_MIN_SEQLEN_FULL`` without a mask), Q / K / V
-    readable through tensor descriptors (see _tma_ok), not TRITONATTN_BATCH_INVARIANT (varlen calls
-    take the Triton kernel, so dense calls must too), and no forward tile forced
-    (``configs.override``: the tests and the tuner time the Triton kernel's).
+    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128 or
+    256 (``fwd_sm90.TILES``), 16-bit, dense, no variant but a causal mask or a window's right edge,
+    queries or keys at least ``configs.GLUON_FWD_MIN_SEQLEN`` long (``GLUON_FWD_MIN_SEQLEN_FULL``
+    without a mask), Q / K / V readable through tensor descriptors (see _tma_ok), not
+    TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernel, so dense calls must too), and
+    no forward tile forced (``configs.override``: the tests and the tuner time the Triton kernel's).
     Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the Triton kernel at
-    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64, so not there."""
-    if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override or q.shape[-1] != 128 \
-            or var.varlen:
+    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64, so not there.
+    D=256: see benchmarks/NOTES.md (tenth session, call 8)."""
+    if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override \
+            or q.shape[-1] not in fwd_sm90.TILES or var.varlen:
         return False
     if not (var.win_left is None and var.softcap == 0 and var.alibi_slopes is None and var.bias is None
             and var.mask is None and var.dropout_p == 0 and var.kv_lens is None and var.block_table is None
@@ -338,10 +339,11 @@ def attention_forward(q, k, v, var: Variants):
         return b.finish((out, lse))
     if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
         _need_allocator()
+        block_n, stages = fwd_sm90.TILES[D]
         b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq),
                  fwd_sm90.launch_args(q, k, v, out, lse, var.win_right or 0, var.scale_args()[0]),
-                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=fwd_sm90.BLOCK_N,
-                      STAGES=fwd_sm90.STAGES, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))
+                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
+                      num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))
         return b.finish((out, lse))
     heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
     # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one

@@ -12,7 +12,7 @@ three partitions:
   and runs its softmax while the other consumer's products run.
 No CTA-wide barrier in the loop: partitions talk only through mbarriers.
 
-Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dim 128,
+Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dims in TILES,
 dense calls with no variant but a causal mask or a window's right edge, K / V / Q readable through
 tensor descriptors. On the H200 it took the llama forward from 0.79-0.87x cuDNN (the Triton
 kernel) to 0.95-1.00x at S=8192-16384. Every other call takes ``fwd._fwd_kernel``. The interpreter
@@ -34,12 +34,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonattn.kernels.common import LN2
 
-# the tile, measured on the H200 (benchmarks/NOTES.md, tenth session): 128 query rows (two consumer
-# warpgroups of 64), 128-key blocks, 3 K / V slots (229 KB of shared memory); 2 slots lost 6-11%,
-# 64-key blocks 10-14%
+# 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots),
+# measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
+# of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. D=256: 64-key blocks, 2 slots (197 KB;
+# 128-key blocks spill and 3 slots do not fit)
 BLOCK_M = 128
-BLOCK_N = 128
-STAGES = 3
+TILES = {128: (128, 3), 256: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
