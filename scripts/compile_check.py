@@ -171,7 +171,6 @@ def main(argv=None) -> int:
                 # window's right edge (SDPA's top-left causal mask when Sq != Sk)
                 (f"gluon-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True)),
                 (f"gluon-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True)),
-                (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=2048, gluon=True)),
                 (f"gluon-right-edge-{dt}", 128, dtypes[dt], dict(win_right=-300), dict(s=2048, gluon=True)),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],

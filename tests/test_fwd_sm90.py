@@ -31,7 +31,6 @@ def gluon(monkeypatch):
 def test_serves_plain_causal_and_right_edges(gluon):
     assert gluon(*qkv())
     assert gluon(*qkv(dtype=torch.float16))
-    assert gluon(*qkv(D=256))
     for right in (0, -300, 700):  # causal, SDPA's top-left causal with Sq < Sk, a right edge past the diagonal
         assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
     assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense
@@ -42,7 +41,7 @@ def test_serves_plain_causal_and_right_edges(gluon):
     assert not gluon(*qkv(Sq=full, Sk=full), Variants(softmax_scale=SCALE, win_right=0))
 
 
-@pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "fp32", "short",
+@pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "D256", "fp32", "short",
                                   "short-causal", "no-keys", "left-edge", "softcap", "alibi", "bias", "mask",
                                   "dropout", "varlen", "kvcache", "misaligned-rows", "negative-scale"])
 def test_refuses(gluon, monkeypatch, case):
@@ -57,7 +56,7 @@ def test_refuses(gluon, monkeypatch, case):
         monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
     elif case == "forced-tile":
         monkeypatch.setitem(configs._override, "fwd", configs.TileConfig(128, 64, 8, 2))
-    elif case in ("D64", "D96"):
+    elif case in ("D64", "D96", "D256"):
         q, k, v = qkv(D=int(case[1:]))
     elif case == "fp32":
         q, k, v = qkv(dtype=torch.float32)

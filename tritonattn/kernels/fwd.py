@@ -241,15 +241,15 @@ GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUO
 
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
-    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128 or
-    256 (``fwd_sm90.TILES``), 16-bit, dense, no variant but a causal mask or a window's right edge,
+    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128
+    (``fwd_sm90.TILES``), 16-bit, dense, no variant but a causal mask or a window's right edge,
     queries or keys at least ``configs.GLUON_FWD_MIN_SEQLEN`` long (``GLUON_FWD_MIN_SEQLEN_FULL``
     without a mask), Q / K / V readable through tensor descriptors (see _tma_ok), not
     TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernel, so dense calls must too), and
     no forward tile forced (``configs.override``: the tests and the tuner time the Triton kernel's).
     Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the Triton kernel at
-    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64, so not there.
-    D=256: see benchmarks/NOTES.md (tenth session, call 8)."""
+    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64 or D=256, so
+    not there."""
     if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override \
             or q.shape[-1] not in fwd_sm90.TILES or var.varlen:
         return False

@@ -36,10 +36,10 @@ from tritonattn.kernels.common import LN2
 
 # 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots),
 # measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
-# of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. D=256: 64-key blocks, 2 slots (197 KB;
-# 128-key blocks spill and 3 slots do not fit)
+# of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. Not D=64 (1.01x the Triton kernel)
+# nor D=256 (64-key blocks and 2 slots, all that fit without spilling: 0.98-1.00x)
 BLOCK_M = 128
-TILES = {128: (128, 3), 256: (64, 2)}
+TILES = {128: (128, 3)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
