@@ -238,6 +238,10 @@ def main(argv=None) -> int:
             failures += 1
             print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
+        if run_kw.get("gluon") and "_fwd_ws_kernel" not in {r["name"] for r in RESULTS[start:]}:
+            failures += 1  # a Gluon case that compiled the Triton forward instead (Gluon off, or refused)
+            print(f"{label:28} FAILED: the Gluon forward was not compiled (TRITONATTN_FWD_GLUON, fwd._gluon_ok)")
+            continue
         for r in RESULTS[start:]:
             regs, spill = resources(r["kernel"])
             smem = r["kernel"].metadata.shared

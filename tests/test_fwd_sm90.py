@@ -74,7 +74,7 @@ def test_refuses(gluon, monkeypatch, case):
     elif case == "alibi":
         var.alibi_slopes = torch.rand(8)
     elif case == "bias":
-        var.bias = torch.empty(2, 8, 2048, 2048)
+        var.bias = torch.empty(1).expand(2, 8, 2048, 2048)
     elif case == "mask":
         var.mask, var.mask_kind = torch.ones(2, 2048, dtype=torch.uint8), MASK_KEYS
     elif case == "dropout":
@@ -90,3 +90,46 @@ def test_refuses(gluon, monkeypatch, case):
     elif case == "negative-scale":
         var.softmax_scale = -SCALE
     assert not gluon(q, k, v, var, sm90)
+
+
+def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
+    """attention_forward with the Gluon forward taken (on CPU tensors, as if on sm_90; launches
+    recorded, not run): a call whose q is not 16-byte aligned, with the same shapes and strides,
+    takes the Triton kernel (the plan key holds the alignment), and a replayed plan in a thread
+    that never set Triton's allocator still launches with one (the descriptors need it)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+
+    def record(fn, grid, args, kwargs):
+        seen.append((fn.__name__, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    var = Variants(softmax_scale=SCALE, win_right=0)
+    q, k, v = qkv()
+    fwd.attention_forward(q, k, v, var)
+    assert seen == [("_fwd_ws_kernel", True)], seen
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_off = buf[1:].view(q.shape)  # 2 bytes past a 16-byte boundary, same shape and strides
+    assert q_off.stride() == q.stride() and q_off.data_ptr() % 16
+    fwd.attention_forward(q_off, k, v, var)
+    assert seen[-1][0] == "_fwd_kernel", seen
+
+    def worker():
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
+        fwd.attention_forward(q, k, v, var)
+
+    hits = plan.hits
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
+    assert seen[-1] == ("_fwd_ws_kernel", True), seen

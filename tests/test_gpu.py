@@ -187,9 +187,7 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
 
 @pytest.mark.parametrize("right", [0, 700])
 def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
-    """A window's right edge alone: the Gluon forward's causal mask shifted, against the reference;
-    and SDPA's top-left causal mask with Sq < Sk (an edge at Sq - Sk < 0, which flash-attn's
-    window_size cannot say) against PyTorch's SDPA in fp32."""
+    """A window's right edge alone: the Gluon forward's causal mask shifted, against the reference."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     torch.manual_seed(5)
@@ -200,8 +198,26 @@ def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(q, k, v, out, lse, grads, dout, False, window_size=(-1, right))
+
+
+def test_gluon_forward_sdpa_top_left_causal(poison, monkeypatch):
+    """SDPA's top-left causal mask with Sq < Sk, a right edge at Sq - Sk < 0 (which flash-attn's
+    window_size cannot say), through the Gluon forward: against the reference with that edge, and
+    within bf16 rounding of PyTorch's SDPA in fp32. (The reference takes the mask as a boolean tile:
+    its window_size reads a negative right edge as none.)"""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    torch.manual_seed(6)
+    q, k, v = random_qkv(1, 2500, 3100, 8, 2, 128, BF16, DEVICE)
     sdpa_q, sdpa_k, sdpa_v = (t.transpose(1, 2) for t in (q, k, v))
+    names = _launched(monkeypatch)
     top_left = scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, is_causal=True, enable_gqa=True)
+    assert "_fwd_ws_kernel" in names, names
+    dout = torch.randn_like(top_left)
+    grads = torch.autograd.grad(top_left, (q, k, v), dout)
+    top_left_mask = torch.arange(3100, device=DEVICE)[None, :] <= torch.arange(2500, device=DEVICE)[:, None]
+    check_against_reference(q, k, v, top_left.transpose(1, 2), None, grads, dout.transpose(1, 2), False,
+                            mask=top_left_mask)
     ref = torch.nn.functional.scaled_dot_product_attention(sdpa_q.float(), sdpa_k.float(), sdpa_v.float(),
                                                            is_causal=True, enable_gqa=True)
     torch.testing.assert_close(top_left.float(), ref, atol=2e-2, rtol=0)
@@ -210,6 +226,8 @@ def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
 def test_gluon_forward_not_taken(monkeypatch):
     """Calls the Gluon forward does not serve take the Triton kernel: D=64, a window's left edge,
     ALiBi, varlen, a forced forward tile, and TRITONATTN_BATCH_INVARIANT."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("off sm_90 no call takes the Gluon forward (tests/test_fwd_sm90.py)")
     torch.manual_seed(0)
     q, k, v = random_qkv(1, 2048, 2048, 4, 2, 128, BF16, DEVICE)
     q64, k64, v64 = random_qkv(1, 2048, 2048, 4, 2, 64, BF16, DEVICE)

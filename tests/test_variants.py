@@ -42,6 +42,21 @@ def test_sliding_window(Sq, Sk, window, causal, dtype, poison):
     check_against_reference(q, k, v, out, lse, grads, dout, causal, window_size=window)
 
 
+def test_window_edges_past_int32_mean_no_edge(poison):
+    """Window edges as large as the API takes (2^31 - 2) leave every key in the window: the kernels
+    add them to lengths in 32-bit integers, so they are capped (Variants.window_args), where they
+    had wrapped round and masked every key."""
+    torch.manual_seed(0)
+    q, k, v = random_qkv(1, 70, 90, 2, 1, 32, torch.float16, DEVICE)
+    dout = torch.randn_like(q)
+    far = (2**31 - 2, 2**31 - 2)
+    for causal in (False, True):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*ins, window_size=(far[0], 0 if causal else far[1]))
+        grads = torch.autograd.grad(out, ins, dout)
+        check_against_reference(q, k, v, out, None, grads, dout, causal)
+
+
 @pytest.mark.parametrize("softcap", [5.0, 50.0])
 @pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
 def test_softcap(softcap, dtype, poison):

@@ -322,6 +322,8 @@ def attention_forward(q, k, v, var: Variants):
         _need_allocator()
     # the Gluon kernel's choice also depends on the inputs' 16-byte alignment (its descriptors)
     aligned = GLUON and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0
+    if aligned:  # its descriptors need Triton's allocator, a per-thread setting: also for a replay
+        _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
            tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, aligned)
     # (heads_first's other inputs are in the key; MAX_GRID_YZ is a constant, changed only by tests,
@@ -338,10 +340,9 @@ def attention_forward(q, k, v, var: Variants):
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
     if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
-        _need_allocator()
         block_n, stages = fwd_sm90.TILES[D]
         b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq),
-                 fwd_sm90.launch_args(q, k, v, out, lse, var.win_right or 0, var.scale_args()[0]),
+                 fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0]),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
                       num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))
         return b.finish((out, lse))

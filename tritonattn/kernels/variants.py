@@ -14,6 +14,7 @@ import torch
 from tritonattn.kernels.common import LOG2E
 
 MASK_NONE, MASK_KEYS, MASK_TILE = 0, 1, 2
+WINDOW_CAP = 1 << 29  # see Variants.window_args
 
 
 @dataclass
@@ -157,4 +158,7 @@ class Variants:
         return qk_scale, 0.0, 0.0
 
     def window_args(self) -> tuple:
-        return self.win_left or 0, self.win_right or 0
+        """win_left, win_right for the kernels, capped at WINDOW_CAP: an edge that far out leaves every
+        key of any sequence that fits in memory in the window, and the kernels add it to lengths and
+        offsets in 32-bit integers (2^31 - 2 there wrapped round and masked every key)."""
+        return min(self.win_left or 0, WINDOW_CAP), min(self.win_right or 0, WINDOW_CAP)
