@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gluon_bwd_dkdv as experiment  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from tune_gluon_fwd import graph_time  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
 from tritonattn.kernels import fwd  # noqa: E402
@@ -72,15 +73,6 @@ def check(tiles) -> int:
                 failures += 1
                 print("FAIL", label, e, flush=True)
     return failures
-
-
-def graph_time(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
 
 
 def library_dkdv_ms(q, k, v, do, causal) -> float:
