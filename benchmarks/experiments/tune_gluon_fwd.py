@@ -1,6 +1,7 @@
-"""The Gluon sm_90 forwards against the Triton forward and cuDNN, on the H200: the library's
-warp-specialized ping-pong kernel (tritonattn/kernels/fwd_sm90.py, tiles ws:BLOCK_N,STAGES) and the
-experiment beside this (gluon_fwd_sm90.py; benchmarks/NOTES.md, tenth session).
+"""The Gluon sm_90 forward (tritonattn/kernels/fwd_sm90.py: warp-specialized, ping-pong) against the
+library's Triton forward and cuDNN, on the H200, by tile (ws:BLOCK_N,STAGES). The first Gluon
+tries that lost (intra-warpgroup overlap, lazy rescaling; benchmarks/NOTES.md, tenth session) are
+in git at 57d25c1 (benchmarks/experiments/gluon_fwd_sm90.py).
 
 First checks it on odd shapes against the fp64 reference (the tolerance rule of the tests), then
 times tiles of it beside the library's default forward and SDPA's cuDNN backend, each as the
@@ -8,7 +9,7 @@ median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (H
 16k tokens per batch, bf16.
 
     python benchmarks/experiments/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
-        [--tiles 128,128,8,3,0 128,128,8,3,1]   (BLOCK_M, BLOCK_N, warps, stages, lazy rescaling)
+        [--tiles ws:128,3 ws:128,2]
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import gluon_fwd_sm90 as experiment  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -31,28 +31,17 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0):
-    """tile: (BLOCK_M, BLOCK_N, warps, stages, lazy) for the experiment beside this
-    (gluon_fwd_sm90), or ("ws", BLOCK_N, stages) for the library's warp-specialized ping-pong
-    kernel (tritonattn/kernels/fwd_sm90.py)."""
+    """tile: ("ws", BLOCK_N, stages) of the library's warp-specialized ping-pong kernel
+    (tritonattn/kernels/fwd_sm90.py)."""
     B, Sq, Hq, D = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
-    args = fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value)
-    if tile[0] == "ws":
-        _, bn, stages = tile
-        fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq)](
-            *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS,
-            maxnreg=fwd_sm90.MAXNREG)
-        return out, lse
-    bm, bn, warps, stages, lazy = tile
-    experiment._fwd_sm90_kernel[(triton.cdiv(Sq, bm), B * Hq)](
-        *args, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAZY=bool(lazy), num_warps=warps)
+    _, bn, stages = tile
+    fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq)](
+        *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
+        BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
     return out, lse
-
-
-def fits(tile) -> bool:
-    return tile[0] == "ws" or tile[0] <= 16 * tile[2]
 
 
 def check(tiles) -> int:
@@ -69,8 +58,6 @@ def check(tiles) -> int:
             q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            if not fits(tile):
-                continue
             out, lse = run(q, k, v, causal, tile)
             ref, ref_lse = attention_ref(q, k, v, causal=causal)
             same, same_lse = attention_ref(q, k, v, causal=causal, upcast=False)
@@ -95,6 +82,7 @@ def graph_time(fn) -> float:
 
 
 def bench(seqlens, head_dims, tiles) -> None:
+    gluon_default = fwd.GLUON
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -117,10 +105,12 @@ def bench(seqlens, head_dims, tiles) -> None:
                         sdpa(qt, kt, vt, is_causal=causal, enable_gqa=True)
 
                 times["cudnn"] = graph_time(cudnn)
-                times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
+                fwd.GLUON = False  # the library's Triton forward (the Gluon one now serves these calls)
+                try:
+                    times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
+                finally:
+                    fwd.GLUON = gluon_default
                 for tile in tiles:
-                    if not fits(tile):
-                        continue
                     try:
                         times[f"gluon {tile}"] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
                     except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
@@ -134,13 +124,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    # BLOCK_M, BLOCK_N, warps, stages, lazy rescaling (0 / 1); or ws:BLOCK_N,stages (gluon_fwd_ws)
-    p.add_argument("--tiles", nargs="+", default=["128,128,8,3,0", "128,128,8,3,1", "128,64,8,4,1", "128,64,8,3,1",
-                                                  "64,64,4,3,1", "64,128,4,3,1"])
+    p.add_argument("--tiles", nargs="+", default=["ws:128,3", "ws:128,2", "ws:64,3"], help="ws:BLOCK_N,STAGES")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    tiles = [("ws", *(int(x) for x in t[3:].split(","))) if t.startswith("ws:") else tuple(int(x) for x in t.split(","))
-             for t in args.tiles]
+    tiles = [("ws", *(int(x) for x in t.removeprefix("ws:").split(","))) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, args.head_dims, tiles)
     return 1 if failures else 0
