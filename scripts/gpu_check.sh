@@ -9,7 +9,9 @@
 #   SKIP_EXTRA=1                         without the extras (EXTRAS="overhead integration example")
 #   EXTRAS="overhead example"            only these extras: scripts/overhead.py, scripts/integration_gpu.py,
 #                                        examples/hf_llama.py, and (only when named) profile:
-#                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times)
+#                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times),
+#                                        gluon-fwd / gluon-bwd (only when named): benchmarks/experiments/
+#                                        tune_gluon_{fwd,bwd}.py $GLUON_FWD_ARGS / $GLUON_BWD_ARGS
 #   TUNE_ARGS="--modes fwd ...;..."      also run scripts/tune.py with these arguments (after the bench;
 #                                        several runs separated by ';')
 #   TUNE_DECODE_ARGS="--batches 64"      scripts/tune_decode.py with these arguments (before the tune runs)
@@ -86,6 +88,12 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
   # shellcheck disable=SC2086
   [[ $extras == *" profile "* ]] && python3 scripts/profile_case.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.md"
   [[ $extras == *" example "* ]] && python3 examples/hf_llama.py 2>&1 | tee "$OUT/hf_llama-example.log" | tail -15
+  # shellcheck disable=SC2086
+  [[ $extras == *" gluon-fwd "* ]] && python3 benchmarks/experiments/tune_gluon_fwd.py ${GLUON_FWD_ARGS:-} 2>&1 \
+    | tee "$OUT/gluon-fwd.md" | tail -30
+  # shellcheck disable=SC2086
+  [[ $extras == *" gluon-bwd "* ]] && python3 benchmarks/experiments/tune_gluon_bwd.py ${GLUON_BWD_ARGS:-} 2>&1 \
+    | tee "$OUT/gluon-bwd.md" | tail -30
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
