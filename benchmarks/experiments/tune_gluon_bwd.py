@@ -1,12 +1,13 @@
-"""The Gluon dK / dV kernel (gluon_bwd_dkdv.py beside this; an experiment, not yet run on a GPU)
-against the fp64 reference and the library's Triton dK / dV kernel, on the H200.
+"""The Gluon backward kernels (gluon_bwd_dkdv.py and gluon_bwd_dq.py beside this; experiments, not
+yet run on a GPU) against the fp64 reference and the library's Triton kernels, on the H200.
 
-First checks dK / dV on odd shapes with the tests' tolerance rule (lse from the library's forward,
-delta = rowsum(dO * O)); then times the kernel (CUDA-graph replays) beside the library's dK / dV
-kernel, whose time is read from the profiler over whole backwards (llama shape, Hq=32, Hkv=8, D=128,
-16k tokens per batch, bf16).
+First checks dK / dV and dQ on odd shapes with the tests' tolerance rule (lse from the library's
+forward, delta = rowsum(dO * O)); then times each kernel (CUDA-graph replays) beside the library's
+kernel of the same gradient, whose time is read from the profiler over whole backwards (llama
+shape, Hq=32, Hkv=8, D=128, 16k tokens per batch, bf16).
 
-    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 2048 8192] [--tiles 64,3 32,4]
+    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 2048 8192] [--tiles 64,3 32,4] \
+        [--dq-tiles 64,3 128,2]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import gluon_bwd_dkdv as experiment  # noqa: E402
+import gluon_bwd_dq  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from tune_gluon_fwd import graph_time  # noqa: E402
@@ -43,31 +45,47 @@ def run(q, k, v, out, lse, do, causal, tile):
     return dk, dv
 
 
-def check(tiles) -> int:
+def run_dq(q, k, v, out, lse, do, causal, tile):
+    block_n, stages = tile
+    D = q.shape[-1]
+    delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.full_like(q, float("nan"))
+    fwd._need_allocator()
+    grid = (triton.cdiv(q.shape[1], 2 * gluon_bwd_dq.HALF.value), q.shape[0] * q.shape[2])
+    gluon_bwd_dq._bwd_dq_ws_kernel[grid](
+        *gluon_bwd_dq.launch_args(q, k, v, do, lse, delta, dq, 0, D ** -0.5 * LOG2E.value, D ** -0.5),
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=168)
+    return dq
+
+
+def check(tiles, dq_tiles) -> int:
     failures = 0
     cases = [  # B, Sq, Sk, Hq, Hkv, causal
         (2, 1000, 1000, 4, 2, False), (2, 1000, 1000, 4, 2, True), (1, 77, 300, 4, 1, True),
         (1, 300, 77, 4, 4, True), (1, 1, 513, 2, 1, True), (2, 2048, 2048, 8, 2, True), (1, 17, 4096, 2, 2, False),
     ]
-    for tile in tiles:
+    for tile in [("dkdv", t) for t in tiles] + [("dq", t) for t in dq_tiles]:
         for B, Sq, Sk, Hq, Hkv, causal in cases:
             torch.manual_seed(0)
             q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16)
                        for s, h in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
             out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
             do = torch.randn_like(out)
-            dk, dv = run(q, k, v, out, lse, do, causal, tile)
             ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
             ref = attention_ref(*ins, causal=causal)[0]
-            _, rk, rv = torch.autograd.grad(ref, ins, do.double())
+            rq, rk, rv = torch.autograd.grad(ref, ins, do.double())
             pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             same = attention_ref(*pt, causal=causal, upcast=False)[0]
-            _, sk, sv = torch.autograd.grad(same, pt, do)
-            magnitude = max(rk.abs().max().item(), rv.abs().max().item())
-            label = f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}{'-causal' if causal else ''}"
+            sq, sk, sv = torch.autograd.grad(same, pt, do)
+            magnitude = max(r.abs().max().item() for r in (rq, rk, rv))
+            label = f"{tile[0]} {tile[1]} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}{'-causal' if causal else ''}"
             try:
-                check_close("dk", dk, rk, sk, 3, magnitude=magnitude)
-                check_close("dv", dv, rv, sv, 3, magnitude=magnitude)
+                if tile[0] == "dq":
+                    check_close("dq", run_dq(q, k, v, out, lse, do, causal, tile[1]), rq, sq, 3, magnitude=magnitude)
+                else:
+                    dk, dv = run(q, k, v, out, lse, do, causal, tile[1])
+                    check_close("dk", dk, rk, sk, 3, magnitude=magnitude)
+                    check_close("dv", dv, rv, sv, 3, magnitude=magnitude)
                 print("ok  ", label, flush=True)
             except AssertionError as e:
                 failures += 1
@@ -75,8 +93,9 @@ def check(tiles) -> int:
     return failures
 
 
-def library_dkdv_ms(q, k, v, do, causal) -> float:
-    """The library's dK / dV kernel(s), ms per backward, from the profiler over 5 backwards."""
+def library_ms(q, k, v, do, causal, name: str) -> float:
+    """The library's kernels whose names hold ``name`` ("dkdv", "_bwd_dq"), ms per backward, from
+    the profiler over 5 backwards."""
     from torch.profiler import ProfilerActivity, profile
 
     out = flash_attn_func(q, k, v, causal=causal)
@@ -86,12 +105,12 @@ def library_dkdv_ms(q, k, v, do, causal) -> float:
         for _ in range(5):
             torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.key_averages() if "dkdv" in e.key)
+    us = sum(e.device_time_total for e in prof.key_averages() if name in e.key)
     return us / 5 / 1e3
 
 
-def bench(seqlens, tiles) -> None:
-    print("| S | causal | kernel | ms | TFLOP/s of the 4 products | x library |")
+def bench(seqlens, tiles, dq_tiles) -> None:
+    print("| S | causal | kernel | ms | TFLOP/s of its products | x library |")
     print("|---|---|---|---|---|---|")
     for S in seqlens:
         B = max(1, 16384 // S)
@@ -100,25 +119,30 @@ def bench(seqlens, tiles) -> None:
                        for h in (32, 8, 8))
             do = torch.randn_like(q)
             out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-            flops = 4 * 2 * B * 32 * S * S * 128 / (2 if causal else 1)
-            base = library_dkdv_ms(q, k, v, do, causal)
-            print(f"| {S} | {causal} | library dK/dV | {base:.4f} | {flops / base / 1e9:.1f} | 1.00 |", flush=True)
-            for tile in tiles:
-                ms = graph_time(lambda tile=tile: run(q.detach(), k.detach(), v.detach(), out.detach(), lse, do,
-                                                      causal, tile))
-                print(f"| {S} | {causal} | gluon {tile} | {ms:.4f} | {flops / ms / 1e9:.1f} | {base / ms:.2f} |",
-                      flush=True)
+            product = 2 * B * 32 * S * S * 128 / (2 if causal else 1)
+            args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, do, causal)
+            for kind, name, fn, n_products, kind_tiles in (("dK/dV", "dkdv", run, 4, tiles),
+                                                           ("dQ", "_bwd_dq", run_dq, 3, dq_tiles)):
+                base = library_ms(q, k, v, do, causal, name)
+                flops = n_products * product
+                print(f"| {S} | {causal} | library {kind} | {base:.4f} | {flops / base / 1e9:.1f} | 1.00 |", flush=True)
+                for tile in kind_tiles:
+                    ms = graph_time(lambda fn=fn, tile=tile: fn(*args, tile))
+                    print(f"| {S} | {causal} | gluon {kind} {tile} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
+                          f"{base / ms:.2f} |", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--tiles", nargs="+", default=["64,3", "32,4"], help="BLOCK_M,STAGES")
+    p.add_argument("--tiles", nargs="+", default=["64,3", "32,4"], help="dK/dV: BLOCK_M,STAGES")
+    p.add_argument("--dq-tiles", nargs="+", default=["64,3", "128,2", "64,4"], help="dQ: BLOCK_N,STAGES")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    failures = 0 if args.no_check else check(tiles)
-    bench(args.seqlens, tiles)
+    dq_tiles = [tuple(int(x) for x in t.split(",")) for t in args.dq_tiles]
+    failures = 0 if args.no_check else check(tiles, dq_tiles)
+    bench(args.seqlens, tiles, dq_tiles)
     return 1 if failures else 0
 
 
