@@ -38,7 +38,7 @@ def run(q, k, v, causal, tile, win_right=0):
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
     _, bn, stages = tile
-    fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq)](
+    fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M.value), B * Hq)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
         BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
     return out, lse

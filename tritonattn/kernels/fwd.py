@@ -253,9 +253,7 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override \
             or q.shape[-1] not in fwd_sm90.TILES or var.varlen:
         return False
-    if not (var.win_left is None and var.softcap == 0 and var.alibi_slopes is None and var.bias is None
-            and var.mask is None and var.dropout_p == 0 and var.kv_lens is None and var.block_table is None
-            and var.softmax_scale > 0):
+    if not var.right_edge_only or var.softmax_scale <= 0:
         return False
     B, Sq, Sk, Hq, _, _ = var.dims(q, k)
     shortest = configs.GLUON_FWD_MIN_SEQLEN if var.win_right is not None else configs.GLUON_FWD_MIN_SEQLEN_FULL
@@ -318,11 +316,9 @@ def attention_forward(q, k, v, var: Variants):
     """
     inputs = (q, k, v, *var.tensors())
     tma = TMA and _tma_ok(q, k, v, var)
-    if tma:
-        _need_allocator()
     # the Gluon kernel's choice also depends on the inputs' 16-byte alignment (its descriptors)
     aligned = GLUON and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0
-    if aligned:  # its descriptors need Triton's allocator, a per-thread setting: also for a replay
+    if tma or aligned:  # descriptors need Triton's allocator, a per-thread setting: also for a replay
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
            tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, aligned)
@@ -341,7 +337,7 @@ def attention_forward(q, k, v, var: Variants):
         return b.finish((out, lse))
     if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
         block_n, stages = fwd_sm90.TILES[D]
-        b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M), B * Hq),
+        b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M.value), B * Hq),
                  fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0]),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
                       num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))

@@ -38,7 +38,7 @@ from tritonattn.kernels.common import LN2
 # measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
 # of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. Not D=64 (1.01x the Triton kernel)
 # nor D=256 (64-key blocks and 2 slots, all that fit without spilling: 0.98-1.00x)
-BLOCK_M = 128
+BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {128: (128, 3)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
@@ -185,8 +185,7 @@ def _fwd_ws_kernel(
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    BLOCK_M: gl.constexpr = 128
-    HALF: gl.constexpr = 64
+    HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 

@@ -97,12 +97,17 @@ class Variants:
         self.kv_page_strides = (k_cache.stride(0), v_cache.stride(0))
 
     @property
+    def right_edge_only(self) -> bool:
+        """No option but the scale and a window's right edge (a causal mask is one), dense or
+        varlen: no left edge, softcap, ALiBi, bias, mask or dropout, no kv cache or pages."""
+        return (self.win_left is None and self.softcap == 0 and self.alibi_slopes is None and self.bias is None
+                and self.mask is None and self.dropout_p == 0 and self.kv_lens is None and self.block_table is None)
+
+    @property
     def plain(self) -> bool:
-        """Attention with no option but the scale, dense or varlen: no causal mask or window, softcap,
-        ALiBi, bias, mask or dropout, no kv cache or pages (what a tile measured on plain calls may take)."""
-        return (self.win_left is None and self.win_right is None and self.softcap == 0 and self.alibi_slopes is None
-                and self.bias is None and self.mask is None and self.dropout_p == 0
-                and self.kv_lens is None and self.block_table is None)
+        """Attention with no option but the scale, dense or varlen: :attr:`right_edge_only` without the
+        right edge either (what a tile measured on plain calls may take)."""
+        return self.right_edge_only and self.win_right is None
 
     @property
     def extra_smem(self) -> bool:
