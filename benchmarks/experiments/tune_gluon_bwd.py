@@ -31,12 +31,17 @@ from tritonattn.kernels.common import LOG2E  # noqa: E402
 from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
-def run(q, k, v, out, lse, do, causal, tile):
+def delta_of(out, do):
+    return (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+
+
+def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
+    """dK, dV from the Gluon kernel. The timed calls pass ``delta`` and the output buffers
+    (``grads``), so that only the kernel is timed."""
     block_m, stages = tile
     D = q.shape[-1]
-    delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
-    dk = torch.full_like(k, float("nan"))
-    dv = torch.full_like(v, float("nan"))
+    delta = delta_of(out, do) if delta is None else delta
+    dk, dv = grads if grads is not None else (torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
     fwd._need_allocator()
     grid = (triton.cdiv(k.shape[1], 2 * experiment.HALF.value), k.shape[0] * k.shape[2])
     experiment._bwd_dkdv_ws_kernel[grid](
@@ -45,11 +50,11 @@ def run(q, k, v, out, lse, do, causal, tile):
     return dk, dv
 
 
-def run_dq(q, k, v, out, lse, do, causal, tile):
+def run_dq(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
     block_n, stages = tile
     D = q.shape[-1]
-    delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.full_like(q, float("nan"))
+    delta = delta_of(out, do) if delta is None else delta
+    dq = grads[0] if grads is not None else torch.full_like(q, float("nan"))
     fwd._need_allocator()
     grid = (triton.cdiv(q.shape[1], 2 * gluon_bwd_dq.HALF.value), q.shape[0] * q.shape[2])
     gluon_bwd_dq._bwd_dq_ws_kernel[grid](
@@ -121,13 +126,15 @@ def bench(seqlens, tiles, dq_tiles) -> None:
             out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
             product = 2 * B * 32 * S * S * 128 / (2 if causal else 1)
             args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, do, causal)
+            delta = delta_of(out.detach(), do)
+            buffers = {"dkdv": (torch.empty_like(k), torch.empty_like(v)), "_bwd_dq": (torch.empty_like(q),)}
             for kind, name, fn, n_products, kind_tiles in (("dK/dV", "dkdv", run, 4, tiles),
                                                            ("dQ", "_bwd_dq", run_dq, 3, dq_tiles)):
                 base = library_ms(q, k, v, do, causal, name)
                 flops = n_products * product
                 print(f"| {S} | {causal} | library {kind} | {base:.4f} | {flops / base / 1e9:.1f} | 1.00 |", flush=True)
                 for tile in kind_tiles:
-                    ms = graph_time(lambda fn=fn, tile=tile: fn(*args, tile))
+                    ms = graph_time(lambda fn=fn, tile=tile, name=name: fn(*args, tile, delta, buffers[name]))
                     print(f"| {S} | {causal} | gluon {kind} {tile} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
                           f"{base / ms:.2f} |", flush=True)
 
