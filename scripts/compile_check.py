@@ -102,8 +102,10 @@ def main(argv=None) -> int:
 
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, **kw):
         with contextlib.ExitStack() as stack:
-            # the Gluon sm_90 forward only where a case asks for it (the others compile the Triton kernel)
+            # the Gluon sm_90 forward and dK/dV kernels only where a case asks for them (the others
+            # compile the Triton kernels)
             stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
+            stack.enter_context(mock.patch.object(bwd, "_on_sm90", lambda q: gluon))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
@@ -167,8 +169,8 @@ def main(argv=None) -> int:
             plans += [
                 (f"plain-{dt}", 128, dtypes[dt], dict(base), {}),
                 (f"plain-long-{dt}", 128, dtypes[dt], dict(base), dict(s=2048)),
-                # the Gluon forward (kernels/fwd_sm90.py: warp-specialized, ping-pong), and with a
-                # window's right edge (SDPA's top-left causal mask when Sq != Sk)
+                # the Gluon forward and dK/dV kernels (kernels/fwd_sm90.py, bwd_sm90.py: warp-specialized),
+                # and with a window's right edge (SDPA's top-left causal mask when Sq != Sk)
                 (f"gluon-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True)),
                 (f"gluon-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True)),
                 (f"gluon-right-edge-{dt}", 128, dtypes[dt], dict(win_right=-300), dict(s=2048, gluon=True)),
@@ -238,9 +240,11 @@ def main(argv=None) -> int:
             failures += 1
             print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
-        if run_kw.get("gluon") and "_fwd_ws_kernel" not in {r["name"] for r in RESULTS[start:]}:
-            failures += 1  # a Gluon case that compiled the Triton forward instead (Gluon off, or refused)
-            print(f"{label:28} FAILED: the Gluon forward was not compiled (TRITONATTN_FWD_GLUON, fwd._gluon_ok)")
+        missing = {"_fwd_ws_kernel", "_bwd_dkdv_ws_kernel"} - {r["name"] for r in RESULTS[start:]}
+        if run_kw.get("gluon") and missing:
+            failures += 1  # a Gluon case that compiled a Triton kernel instead (Gluon off, or refused)
+            print(f"{label:28} FAILED: {', '.join(sorted(missing))} not compiled (TRITONATTN_FWD_GLUON / "
+                  "TRITONATTN_BWD_GLUON, fwd._gluon_ok / bwd._gluon_ok)")
             continue
         for r in RESULTS[start:]:
             regs, spill = resources(r["kernel"])

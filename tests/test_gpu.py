@@ -8,7 +8,13 @@ import pytest
 import torch
 from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
 
-from tritonattn import configs, flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from tritonattn import (
+    configs,
+    flash_attn_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    scaled_dot_product_attention,
+)
 from tritonattn.kernels import bwd, fwd, launch, plan
 from tritonattn.testing import random_qkv
 
@@ -128,15 +134,17 @@ def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, m
     assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
 
 
-@pytest.mark.parametrize("gluon", [True, False], ids=["default", "triton-fwd"])
+@pytest.mark.parametrize("gluon", [True, False], ids=["default", "triton"])
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", LONG_CASES, ids=[case_id(*c) for c in LONG_CASES])
 def test_long_sequences(B, Sq, Sk, Hq, Hkv, D, causal, dtype, gluon, poison, monkeypatch):
-    """Default: the D=128 cases take the Gluon forward (kernels/fwd_sm90.py); triton-fwd: the Triton
-    forward serves them too (its path for varlen and the variants at these lengths)."""
+    """Default: the D=128 cases take the Gluon forward and dK/dV kernels (kernels/fwd_sm90.py,
+    bwd_sm90.py); triton: the Triton kernels serve them too (their path for varlen and the variants
+    at these lengths)."""
     if not gluon:
         if D != 128:
             pytest.skip("the same path as the default")
         monkeypatch.setattr(fwd, "GLUON", False)
+        monkeypatch.setattr(bwd, "GLUON", False)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
 
 
@@ -153,8 +161,9 @@ def _launched(monkeypatch) -> list:
     return names
 
 
-# the Gluon forward's calls: odd lengths from configs.GLUON_FWD_MIN_SEQLEN on, Sq != Sk both ways
-# (causal rows that see no key), one query or one key, GQA / MQA / MHA, both 16-bit dtypes
+# the Gluon kernels' calls: odd lengths from configs.GLUON_MIN_SEQLEN on, Sq != Sk both ways
+# (causal rows that see no key, keys that no query sees), one query or one key, GQA / MQA / MHA,
+# both 16-bit dtypes
 GLUON_CASES = [
     (2, 2048, 2048, 8, 2, 128, False, BF16),
     (2, 2048, 2048, 8, 2, 128, True, F16),
@@ -163,26 +172,47 @@ GLUON_CASES = [
     (2, 1, 4096, 8, 2, 128, True, BF16),
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
-    (4, 1024, 1000, 8, 2, 128, False, BF16),  # without a mask from configs.GLUON_FWD_MIN_SEQLEN_FULL
+    (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024, the backward's from 2048
 ]
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", GLUON_CASES, ids=[case_id(*c) for c in GLUON_CASES])
 def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
-    """The Gluon sm_90 forward: taken, within the reference's tolerance (out, lse, and the gradients
-    the Triton backward computes from its lse), bitwise the same on a rerun."""
+    """The Gluon sm_90 forward and dK/dV kernels: taken (the dK/dV kernel from its own length),
+    within the reference's tolerance (out, lse, dQ from the Triton dQ kernel, dK / dV), bitwise the
+    same on a rerun."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
-        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
     names = _launched(monkeypatch)
     torch.manual_seed(Sq + Sk)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][causal]
+    assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
     again, lse2, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
+    for a, b in zip(grads, torch.autograd.grad(out, (q, k, v), dout), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gluon_dkdv_into_gradient_views(poison, monkeypatch):
+    """dK / dV written by the Gluon kernel into views of one packed (B, S, 3, H, D) gradient (what
+    flash_attn_qkvpacked_func's backward hands it), MHA, causal: against the reference."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    torch.manual_seed(7)
+    qkv = torch.randn(2, 2304, 3, 4, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    names = _launched(monkeypatch)
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
+    assert "_bwd_dkdv_ws_kernel" in names, names
+    q, k, v = (qkv[:, :, i].detach() for i in range(3))
+    check_against_reference(q, k, v, out, None, dqkv.unbind(2), dout, True)
 
 
 @pytest.mark.parametrize("right", [0, 700])
@@ -224,10 +254,10 @@ def test_gluon_forward_sdpa_top_left_causal(poison, monkeypatch):
 
 
 def test_gluon_forward_not_taken(monkeypatch):
-    """Calls the Gluon forward does not serve take the Triton kernel: D=64, a window's left edge,
-    ALiBi, varlen, a forced forward tile, and TRITONATTN_BATCH_INVARIANT."""
+    """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64, a
+    window's left edge, ALiBi, varlen, forced tiles, and TRITONATTN_BATCH_INVARIANT."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
-        pytest.skip("off sm_90 no call takes the Gluon forward (tests/test_fwd_sm90.py)")
+        pytest.skip("off sm_90 no call takes the Gluon kernels (tests/test_gluon.py)")
     torch.manual_seed(0)
     q, k, v = random_qkv(1, 2048, 2048, 4, 2, 128, BF16, DEVICE)
     q64, k64, v64 = random_qkv(1, 2048, 2048, 4, 2, 64, BF16, DEVICE)
@@ -240,16 +270,17 @@ def test_gluon_forward_not_taken(monkeypatch):
     ]
     for call in calls:
         names = _launched(monkeypatch)
-        call()
+        call().sum().backward()
         assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
-    with configs.override(fwd=configs.forward_config(q, True)):
+        assert "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
+    with configs.override(fwd=configs.forward_config(q, True), bwd_dkdv=configs.backward_dkdv_config(q, True)):
         names = _launched(monkeypatch)
-        flash_attn_func(q, k, v, causal=True)
-        assert "_fwd_ws_kernel" not in names, names
+        flash_attn_func(q, k, v, causal=True).sum().backward()
+        assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names
     monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
     names = _launched(monkeypatch)
-    flash_attn_func(q, k, v, causal=True)
-    assert "_fwd_ws_kernel" not in names, names
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names
 
 
 def test_deterministic_at_scale():

@@ -299,12 +299,13 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #   at S=512, 405.3 / 356.3 at S=1024); calls with any variant (window, softcap, ALiBi, bias, mask,
 #   dropout) and kv-cache or paged calls keep the table's (Variants.plain).
 SHORT_SEQLEN = 1024
-# The Gluon sm_90 forward (kernels/fwd_sm90.py) serves calls whose queries or keys reach these
-# lengths (H200, llama shape, benchmarks/NOTES.md, tenth session): with a causal mask or a window's
-# right edge from 2048 (1.01-1.15x the Triton kernel there; 0.67x / 0.86x at 512 / 1024), without
-# from 1024 (1.18x at 1024 with 4096 query tiles; 0.96x at 512)
-GLUON_FWD_MIN_SEQLEN = 2048
-GLUON_FWD_MIN_SEQLEN_FULL = 1024
+# The Gluon sm_90 kernels serve calls whose queries or keys reach these lengths, by mode and
+# (without, with) a causal mask or a window's right edge (H200, llama shape, benchmarks/NOTES.md).
+# The forward (kernels/fwd_sm90.py, tenth session): with a mask from 2048 (1.01-1.15x the Triton
+# kernel there; 0.67x / 0.86x at 512 / 1024), without from 1024 (1.18x at 1024 with 4096 query
+# tiles; 0.96x at 512). The dK / dV kernel (kernels/bwd_sm90.py, eleventh session): 1.11-1.14x at
+# 2048 and 8192, both ways.
+GLUON_MIN_SEQLEN = {"fwd": (1024, 2048), "bwd_dkdv": (2048, 2048)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {

@@ -4,6 +4,9 @@ kernel behind ``return_attn_probs``. (The opt-in atomic-dQ path: a delta preproc
 dK/dV kernel that also adds dQ.) Under a causal mask the programs may start heads first
 (``configs.heads_first``).
 
+On sm_90 the dK/dV kernel of the calls ``_gluon_ok`` admits is the Gluon one
+(kernels/bwd_sm90.py); the dQ kernel stays this module's.
+
 No atomics: each program owns the rows of the gradient it writes, so reruns are bitwise equal.
 The dK/dV program of a kv head walks the query heads of its GQA group itself, so dK/dV sum over
 the group without an expanded K/V or a reduction pass. With dropout, dS = P * (dP * Z - delta)
@@ -31,9 +34,14 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
-from tritonattn.kernels.fwd import _hopper, _need_allocator, _tma_ok
+from tritonattn.kernels.fwd import _hopper, _need_allocator, _on_sm90, _tma_ok, gluon_serves
 from tritonattn.kernels.launch import cdiv, launch, program_grid
 from tritonattn.kernels.variants import Variants
+
+try:  # Gluon ships with Triton, as an experimental API
+    from tritonattn.kernels import bwd_sm90
+except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another Gluon API: the Triton kernel serves all)
+    bwd_sm90 = None
 
 
 @triton.jit
@@ -608,21 +616,21 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
     # CPU); the allocator is set for a replay that may use them
-    aligned = TMA and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
+    aligned = (TMA or GLUON) and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
     if aligned:
         _need_allocator()
     key = None  # no plan for dBias or the atomic-dQ path (torch ops between the launches)
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST, aligned, configs.DKDV_MASKED_STAGES, configs.BATCH_INVARIANT,
+               configs.HEADS_FIRST, aligned, TMA, GLUON, configs.DKDV_MASKED_STAGES, configs.BATCH_INVARIANT,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
             return (*res, None)
     b = plan.Builder(key, inputs)
-    tma = aligned and _tma_ok(q, k, v, var, q, do)
+    tma = TMA and aligned and _tma_ok(q, k, v, var, q, do)
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     # variable length: rows of q / k / v that belong to no sequence get no program, so start from 0
     zeros = var.varlen and Sq > 0 and Sk > 0
@@ -683,10 +691,18 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
                 ))
 
-    cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
-                                      seqlen=max(Sq, Sk))
-    dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
-    autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
+    if not atomic_dq and aligned and _gluon_ok(q, k, v, do, lse, dk, dv, var, _on_sm90(q)):
+        block_m, stages = bwd_sm90.TILES[D]
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
+                 bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
+                                      var.softmax_scale),
+                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                      num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG))
+    else:
+        cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
+                                          seqlen=max(Sq, Sk))
+        dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
+        autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
@@ -706,6 +722,23 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 # +17% with the causal dK/dV tile retuned) on the H200, benchmarks/NOTES.md. TRITONATTN_BWD_TMA=0
 # turns it off; read once here (tests and scripts/tune.py set the module switch).
 TMA = configs.env_flag("TRITONATTN_BWD_TMA", default=True)
+
+
+# The Gluon sm_90 dK/dV kernel (kernels/bwd_sm90.py) for the calls _gluon_ok admits: on by default
+# with the Triton it was written and measured with (3.6; Gluon's API is experimental);
+# TRITONATTN_BWD_GLUON=0 turns it off, =1 turns it on with other Triton versions.
+GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
+                                                  default=triton.__version__.startswith("3.6."))
+
+
+def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool) -> bool:
+    """The Gluon dK/dV kernel serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): the rule it
+    shares with the Gluon forward (fwd.gluon_serves, dO readable through descriptors too), plus the
+    layouts its plain loads and stores take: lse (and delta, which shares its strides) with unit
+    stride along the queries, dK / dV with unit stride along the head dim. Measured on the H200
+    (benchmarks/NOTES.md, eleventh session): 1.11-1.14x the Triton dK/dV kernel at S=2048 / 8192."""
+    return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do)
+            and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
 
 
 def atomic_dq_enabled() -> bool:

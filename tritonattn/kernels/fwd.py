@@ -241,25 +241,31 @@ GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUO
 
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
-    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): head dim 128
-    (``fwd_sm90.TILES``), 16-bit, dense, no variant but a causal mask or a window's right edge,
-    queries or keys at least ``configs.GLUON_FWD_MIN_SEQLEN`` long (``GLUON_FWD_MIN_SEQLEN_FULL``
-    without a mask), Q / K / V readable through tensor descriptors (see _tma_ok), not
-    TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernel, so dense calls must too), and
-    no forward tile forced (``configs.override``: the tests and the tuner time the Triton kernel's).
-    Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the Triton kernel at
-    S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at D=64 or D=256, so
-    not there."""
-    if not (GLUON and sm90) or configs.BATCH_INVARIANT or "fwd" in configs._override \
-            or q.shape[-1] not in fwd_sm90.TILES or var.varlen:
+    """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
+    :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the
+    Triton kernel at S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at
+    D=64 or D=256, so not there."""
+    return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES)
+
+
+def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more) -> bool:
+    """The rule the Gluon kernels share (``mode``: "fwd" or "bwd_dkdv", each with its switch
+    checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense, no variant but a
+    causal mask or a window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN``
+    long, Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
+    TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernels, so dense calls must too), and
+    no tile of this mode forced (``configs.override``: the tests and the tuner time the Triton
+    kernels')."""
+    if not sm90 or configs.BATCH_INVARIANT or mode in configs._override or q.shape[-1] not in tiles or var.varlen:
         return False
     if not var.right_edge_only or var.softmax_scale <= 0:
         return False
-    B, Sq, Sk, Hq, _, _ = var.dims(q, k)
-    shortest = configs.GLUON_FWD_MIN_SEQLEN if var.win_right is not None else configs.GLUON_FWD_MIN_SEQLEN_FULL
-    if Sk == 0 or max(Sq, Sk) < shortest or B * Hq > configs.MAX_GRID_YZ:
+    B, Sq, Sk, Hq, Hkv, _ = var.dims(q, k)
+    shortest = configs.GLUON_MIN_SEQLEN[mode][var.win_right is not None]
+    # the forward's programs are per query head, the dK / dV kernel's per kv head
+    if Sk == 0 or max(Sq, Sk) < shortest or B * (Hq if mode == "fwd" else Hkv) > configs.MAX_GRID_YZ:
         return False
-    return _tma_ok(q, k, v, var, q)
+    return _tma_ok(q, k, v, var, q, *more)
 
 
 def _on_sm90(q) -> bool:

@@ -1,17 +1,23 @@
-"""An experiment, not part of the library, written at the end of the tenth session and not yet run
-on a GPU: the backward's dK / dV kernel in Gluon for sm_90, with the structure that made the
-forward 13-22% faster (tritonattn/kernels/fwd_sm90.py).
+"""Hopper (sm_90) dK / dV kernel of the backward in Gluon, with the forward's structure
+(kernels/fwd_sm90.py: a TMA producer warp and two consumer warpgroups, no CTA-wide barrier in the
+loop).
 
 A program owns 128 keys of one kv head, in three partitions:
 - a producer warp: the TMA loads of K / V (once) and, for every query head of the group and every
-  query block, of the Q and dO tiles into a ring of STAGES slots, each refilled once both
-  consumers released it;
+  query block of BLOCK_M rows, of the Q and dO tiles into a ring of STAGES slots, each refilled
+  once both consumers released it;
 - two consumer warpgroups of 64 keys each: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
   dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q, accumulated in registers.
-No CTA-wide barrier in the loop. Deterministic (no atomics); dQ stays with the library's Triton
-kernel. Plain or causal (a right edge), 16-bit, D = 128, dense (B, S, H, D) inputs readable
-through tensor descriptors; lse and delta (B, Hq, Sq) float32 as the library's backward makes them.
-Checked and timed by tune_gluon_bwd.py beside this.
+Deterministic (no atomics). dQ and delta (rowsum(dO * O)) stay with the Triton dQ kernel, which
+runs first: a Gluon dQ kernel of the same structure was measured at 0.91-1.03x it (NOTES,
+eleventh session).
+
+Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TILES, dense, no
+variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
+descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
+along the head dim. On the H200 (llama shape, S=2048 / 8192) it ran 1.11-1.14x the Triton dK / dV
+kernel. The interpreter cannot run Gluon: the CPU tier compiles it for sm_90
+(scripts/compile_check.py) and tests the eligibility rule; the GPU tier tests its gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from tritonattn.kernels.common import LOG2E
 
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
+BLOCK_N = 2 * HALF.value  # the launcher's
+# by head dim: (query rows per step, Q / dO slots), H200 (NOTES, eleventh session): D=128 with
+# 64 rows and 3 slots 1.11-1.14x the Triton kernel, 32 rows and 4 slots 0.81-0.88x
+TILES = {128: (64, 3)}
+NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
+MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
 
 
 @gluon.jit

@@ -1,0 +1,214 @@
+"""Which calls the Gluon sm_90 kernels serve: the forward (kernels.fwd._gluon_ok) and the backward's
+dK/dV kernel (kernels.bwd._gluon_ok), decided on CPU tensors as if they were on an sm_90 GPU. The
+interpreter cannot run Gluon: the kernels' sm_90 compile is checked by test_compile_sm90.py, their
+results by the GPU tier (test_gpu.py::test_gluon_*)."""
+
+import pytest
+import torch
+
+from tritonattn import configs
+from tritonattn.kernels import bwd, fwd
+from tritonattn.kernels.variants import MASK_KEYS, Variants
+
+SCALE = 128 ** -0.5
+
+
+def qkv(B=2, Sq=2048, Sk=2048, Hq=8, Hkv=2, D=128, dtype=torch.bfloat16):
+    return (torch.empty(B, Sq, Hq, D, dtype=dtype), torch.empty(B, Sk, Hkv, D, dtype=dtype),
+            torch.empty(B, Sk, Hkv, D, dtype=dtype))
+
+
+MODES = {"fwd": fwd, "bwd_dkdv": bwd}  # the configs mode of each kernel, and the module that launches it
+
+
+@pytest.fixture(params=list(MODES))
+def gluon(request, monkeypatch):
+    """The rule of one Gluon kernel: ok(q, k, v, var, sm90, **bwd_tensors); the backward's dO, lse,
+    dK and dV default to fresh tensors of the usual layouts."""
+    mode = request.param
+    monkeypatch.setattr(MODES[mode], "GLUON", True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+
+    def ok(q, k, v, var=None, sm90=True, do=None, lse=None, dk=None, dv=None):
+        var = var or Variants(softmax_scale=SCALE)
+        if mode == "fwd":
+            return fwd._gluon_ok(q, k, v, var, sm90)
+        B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if q.dim() == 4 else (1, q.shape[0], q.shape[1])
+        lse = torch.empty(B, Hq, Sq) if lse is None else lse
+        return bwd._gluon_ok(q, k, v, torch.empty_like(q) if do is None else do, lse,
+                             torch.empty_like(k) if dk is None else dk, torch.empty_like(v) if dv is None else dv,
+                             var, sm90)
+
+    ok.mode = mode
+    return ok
+
+
+def test_serves_plain_causal_and_right_edges(gluon):
+    assert gluon(*qkv())
+    assert gluon(*qkv(dtype=torch.float16))
+    for right in (0, -300, 700):  # causal, SDPA's top-left causal with Sq < Sk, a right edge past the diagonal
+        assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
+    assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense
+    assert gluon(*qkv(Sq=4096, Sk=1, Hkv=1))
+    # from configs.GLUON_MIN_SEQLEN[mode]: (without, with) a mask
+    full, masked = configs.GLUON_MIN_SEQLEN[gluon.mode]
+    assert gluon(*qkv(Sq=full, Sk=full))
+    assert gluon(*qkv(Sq=masked, Sk=masked), Variants(softmax_scale=SCALE, win_right=0))
+    if masked > full:
+        assert not gluon(*qkv(Sq=full, Sk=full), Variants(softmax_scale=SCALE, win_right=0))
+
+
+@pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "D256", "fp32", "short",
+                                  "short-causal", "no-keys", "left-edge", "softcap", "alibi", "bias", "mask",
+                                  "dropout", "varlen", "kvcache", "misaligned-rows", "negative-scale",
+                                  "misaligned-do", "lse-stride", "dk-stride", "dv-stride"])
+def test_refuses(gluon, monkeypatch, case):
+    q, k, v = qkv()
+    var = Variants(softmax_scale=SCALE)
+    sm90 = True
+    grads = {}
+    if case in ("misaligned-do", "lse-stride", "dk-stride", "dv-stride") and gluon.mode == "fwd":
+        pytest.skip("the backward's tensors")
+    if case == "cpu":
+        sm90 = False
+    elif case == "off":
+        monkeypatch.setattr(MODES[gluon.mode], "GLUON", False)
+    elif case == "batch-invariant":
+        monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+    elif case == "forced-tile":
+        monkeypatch.setitem(configs._override, gluon.mode, configs.TileConfig(128, 64, 8, 2))
+    elif case in ("D64", "D96", "D256"):
+        q, k, v = qkv(D=int(case[1:]))
+    elif case == "fp32":
+        q, k, v = qkv(dtype=torch.float32)
+    elif case == "short":
+        full = configs.GLUON_MIN_SEQLEN[gluon.mode][0]
+        q, k, v = qkv(Sq=full - 1, Sk=full - 1)
+    elif case == "short-causal":
+        masked = configs.GLUON_MIN_SEQLEN[gluon.mode][1]
+        q, k, v = qkv(Sq=masked - 1, Sk=masked - 1)
+        var.win_right = 0
+    elif case == "no-keys":
+        q, k, v = qkv(Sk=0)
+    elif case == "left-edge":
+        var.win_left, var.win_right = 100, 0
+    elif case == "softcap":
+        var.softcap = 30.0
+    elif case == "alibi":
+        var.alibi_slopes = torch.rand(8)
+    elif case == "bias":
+        var.bias = torch.empty(1).expand(2, 8, 2048, 2048)
+    elif case == "mask":
+        var.mask, var.mask_kind = torch.ones(2, 2048, dtype=torch.uint8), MASK_KEYS
+    elif case == "dropout":
+        var.dropout_p = 0.1
+    elif case == "varlen":
+        var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 2048, 4096], dtype=torch.int32)
+        var.max_seqlen_q = var.max_seqlen_k = 2048
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    elif case == "kvcache":
+        var.kv_lens = torch.full((2,), 2048, dtype=torch.int32)
+    elif case == "misaligned-rows":  # a head stride of 130 elements: not a multiple of 16 bytes
+        q = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
+    elif case == "negative-scale":
+        var.softmax_scale = -SCALE
+    elif case == "misaligned-do":
+        grads["do"] = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
+    elif case == "lse-stride":  # (B, Hq, Sq) with the queries outermost
+        grads["lse"] = torch.empty(2048, 2, 8).permute(1, 2, 0)
+    elif case in ("dk-stride", "dv-stride"):  # views of a gradient with the head dim not innermost
+        grads[case[:2]] = torch.empty(2, 2048, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
+    assert not gluon(q, k, v, var, sm90, **grads)
+
+
+def test_forward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
+    """attention_forward with the Gluon forward taken (on CPU tensors, as if on sm_90; launches
+    recorded, not run): a call whose q is not 16-byte aligned, with the same shapes and strides,
+    takes the Triton kernel (the plan key holds the alignment), and a replayed plan in a thread
+    that never set Triton's allocator still launches with one (the descriptors need it)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+
+    def record(fn, grid, args, kwargs):
+        seen.append((fn.__name__, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    var = Variants(softmax_scale=SCALE, win_right=0)
+    q, k, v = qkv()
+    fwd.attention_forward(q, k, v, var)
+    assert seen == [("_fwd_ws_kernel", True)], seen
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_off = buf[1:].view(q.shape)  # 2 bytes past a 16-byte boundary, same shape and strides
+    assert q_off.stride() == q.stride() and q_off.data_ptr() % 16
+    fwd.attention_forward(q_off, k, v, var)
+    assert seen[-1][0] == "_fwd_kernel", seen
+
+    def worker():
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
+        fwd.attention_forward(q, k, v, var)
+
+    hits = plan.hits
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
+    assert seen[-1] == ("_fwd_ws_kernel", True), seen
+
+
+def test_backward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
+    """attention_backward with the Gluon dK/dV kernel taken (CPU tensors as if on sm_90, launches
+    recorded, not run): the Triton dQ kernel first (it writes delta), then the Gluon dK/dV kernel; a
+    dO that is not 16-byte aligned, same shapes and strides, takes the Triton dK/dV kernel; the
+    atomic-dQ path keeps its own; a replay in a thread with no allocator launches with one."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+
+    def record(fn, grid, args, kwargs):
+        seen.append((fn.__name__, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    var = Variants(softmax_scale=SCALE, win_right=0)
+    q, k, v = qkv()
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, 2048)
+    bwd.attention_backward(do, q, k, v, out, lse, var)
+    assert seen == [("_bwd_dq_kernel", True), ("_bwd_dkdv_ws_kernel", True)], seen
+    buf = torch.empty(do.numel() + 1, dtype=do.dtype)
+    do_off = buf[1:].view(do.shape)
+    assert do_off.stride() == do.stride() and do_off.data_ptr() % 16
+    bwd.attention_backward(do_off, q, k, v, out, lse, var)
+    assert [name for name, _ in seen[2:]] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel"], seen
+    with monkeypatch.context() as m:
+        m.setenv("TRITONATTN_ATOMIC_DQ", "1")
+        bwd.attention_backward(do, q, k, v, out, lse, var)
+    assert [name for name, _ in seen[4:]] == ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel"], seen
+    del seen[2:]
+
+    def worker():
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+        bwd.attention_backward(do, q, k, v, out, lse, var)
+
+    hits = plan.hits
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
+    assert seen[-2:] == [("_bwd_dq_kernel", True), ("_bwd_dkdv_ws_kernel", True)], seen
