@@ -172,7 +172,9 @@ GLUON_CASES = [
     (2, 1, 4096, 8, 2, 128, True, BF16),
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
-    (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024, the backward's from 2048
+    (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024
+    (2, 700, 513, 4, 2, 128, True, BF16),  # the dK/dV kernel alone (from 512), keys no query sees
+    (1, 511, 511, 4, 1, 128, False, F16),  # neither
 ]
 
 
@@ -187,7 +189,8 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     torch.manual_seed(Sq + Sk)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
+    gluon_fwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["fwd"][causal]
+    assert ("_fwd_ws_kernel" in names) == gluon_fwd and ("_fwd_kernel" in names) != gluon_fwd, names
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][causal]

@@ -303,9 +303,9 @@ SHORT_SEQLEN = 1024
 # (without, with) a causal mask or a window's right edge (H200, llama shape, benchmarks/NOTES.md).
 # The forward (kernels/fwd_sm90.py, tenth session): with a mask from 2048 (1.01-1.15x the Triton
 # kernel there; 0.67x / 0.86x at 512 / 1024), without from 1024 (1.18x at 1024 with 4096 query
-# tiles; 0.96x at 512). The dK / dV kernel (kernels/bwd_sm90.py, eleventh session): 1.11-1.14x at
-# 2048 and 8192, both ways.
-GLUON_MIN_SEQLEN = {"fwd": (1024, 2048), "bwd_dkdv": (2048, 2048)}
+# tiles; 0.96x at 512). The dK / dV kernel (kernels/bwd_sm90.py, eleventh session): 1.07-1.13x at
+# 512 and 1024, 1.08-1.24x from 2048 on, both ways; shorter calls are not measured.
+GLUON_MIN_SEQLEN = {"fwd": (1024, 2048), "bwd_dkdv": (512, 512)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {

@@ -15,7 +15,7 @@ eleventh session).
 Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TILES, dense, no
 variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
 descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
-along the head dim. On the H200 (llama shape, S=2048 / 8192) it ran 1.11-1.14x the Triton dK / dV
+along the head dim. On the H200 (llama shape, S=512-16384) it ran 1.07-1.24x the Triton dK / dV
 kernel. The interpreter cannot run Gluon: the CPU tier compiles it for sm_90
 (scripts/compile_check.py) and tests the eligibility rule; the GPU tier tests its gradients.
 """
@@ -36,9 +36,10 @@ from tritonattn.kernels.common import LOG2E
 
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
 BLOCK_N = 2 * HALF.value  # the launcher's
-# by head dim: (query rows per step, Q / dO slots), H200 (NOTES, eleventh session): D=128 with
-# 64 rows and 3 slots 1.11-1.14x the Triton kernel, 32 rows and 4 slots 0.81-0.88x
-TILES = {128: (64, 3)}
+# by head dim: (query rows per step, Q / dO slots), H200, llama shape (NOTES, eleventh session):
+# D=128 with 64 rows and 2 slots 1.07-1.24x the Triton kernel at S=512-16384 (3 or 4 slots: within
+# a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x
+TILES = {128: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
 
