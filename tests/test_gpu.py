@@ -92,6 +92,7 @@ def _spy_on_configs(monkeypatch) -> dict:
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
                          ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
 def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    monkeypatch.setattr(bwd, "GLUON", False)  # the Triton dK/dV kernel's short tile (Gluon's: test_gluon_forward)
     picked = _spy_on_configs(monkeypatch)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     padded = configs.padded_head_dim(D)
@@ -109,6 +110,7 @@ def test_short_causal_backward_through_pointers(poison, monkeypatch):
     """The backward through pointers (TRITONATTN_BWD_TMA=0): the short dQ tile, _POINTER_DKDV's dK/dV."""
     picked = _spy_on_configs(monkeypatch)
     monkeypatch.setattr(bwd, "TMA", False)
+    monkeypatch.setattr(bwd, "GLUON", False)  # (TRITONATTN_BWD_TMA does not turn the Gluon dK/dV kernel off)
     _run_and_check(2, 1000, 999, 8, 2, 128, True, BF16)
     if not bwd.atomic_dq_enabled():
         assert picked["bwd_dq"] == configs._SHORT_CAUSAL["bwd_dq"][128], picked
@@ -765,7 +767,9 @@ def test_tensors_on_a_device_that_is_not_current():
 
 def test_heads_first_order_on_gpu(monkeypatch, poison):
     """Heads-first program order (configs.HEADS_FIRST) at the table's causal configs, bf16 GQA:
-    bitwise the default order's outputs and gradients, and within the reference's tolerance."""
+    bitwise the default order's outputs and gradients, and within the reference's tolerance. (The
+    Triton dK/dV kernel's order: the Gluon one, which would serve this call, has one order.)"""
+    monkeypatch.setattr(bwd, "GLUON", False)
     torch.manual_seed(11)
     q, k, v = random_qkv(2, 1500, 1700, 8, 2, 128, BF16, DEVICE)
     dout = torch.randn_like(q)
