@@ -175,7 +175,7 @@ GLUON_CASES = [
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024
-    (2, 700, 513, 4, 2, 128, True, BF16),  # the dK/dV kernel alone (from 512), keys no query sees
+    (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, keys no query sees
     (1, 511, 511, 4, 1, 128, False, F16),  # neither
 ]
 

@@ -8,7 +8,7 @@ with the Gluon kernel off (llama shape, Hq=32, Hkv=8, D=128, 16k tokens per batc
 The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 4f07f6c
 (benchmarks/experiments/gluon_bwd_dq.py).
 
-    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 2048 8192] [--tiles 64,3 64,2]
+    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 512 2048] [--tiles 64,2 64,3]
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def bench(seqlens, tiles) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--tiles", nargs="+", default=["64,3", "64,2", "64,4"], help="BLOCK_M,STAGES")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
+    p.add_argument("--tiles", nargs="+", default=["64,2", "64,3"], help="BLOCK_M,STAGES")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
