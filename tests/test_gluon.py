@@ -23,21 +23,19 @@ MODES = {"fwd": fwd, "bwd_dkdv": bwd}  # the configs mode of each kernel, and th
 
 @pytest.fixture(params=list(MODES))
 def gluon(request, monkeypatch):
-    """The rule of one Gluon kernel: ok(q, k, v, var, sm90, **bwd_tensors); the backward's dO, lse,
-    dK and dV default to fresh tensors of the usual layouts."""
+    """The rule of one Gluon kernel: ok(q, k, v, var, sm90); the backward's dO, lse, dK and dV are
+    fresh tensors of the usual layouts (test_dkdv_refuses_layouts varies them)."""
     mode = request.param
     monkeypatch.setattr(MODES[mode], "GLUON", True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
 
-    def ok(q, k, v, var=None, sm90=True, do=None, lse=None, dk=None, dv=None):
+    def ok(q, k, v, var=None, sm90=True):
         var = var or Variants(softmax_scale=SCALE)
         if mode == "fwd":
             return fwd._gluon_ok(q, k, v, var, sm90)
         B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if q.dim() == 4 else (1, q.shape[0], q.shape[1])
-        lse = torch.empty(B, Hq, Sq) if lse is None else lse
-        return bwd._gluon_ok(q, k, v, torch.empty_like(q) if do is None else do, lse,
-                             torch.empty_like(k) if dk is None else dk, torch.empty_like(v) if dv is None else dv,
-                             var, sm90)
+        return bwd._gluon_ok(q, k, v, torch.empty_like(q), torch.empty(B, Hq, Sq), torch.empty_like(k),
+                             torch.empty_like(v), var, sm90)
 
     ok.mode = mode
     return ok
@@ -60,15 +58,11 @@ def test_serves_plain_causal_and_right_edges(gluon):
 
 @pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "D256", "fp32", "short",
                                   "short-causal", "no-keys", "left-edge", "softcap", "alibi", "bias", "mask",
-                                  "dropout", "varlen", "kvcache", "misaligned-rows", "negative-scale",
-                                  "misaligned-do", "lse-stride", "dk-stride", "dv-stride"])
+                                  "dropout", "varlen", "kvcache", "misaligned-rows", "negative-scale"])
 def test_refuses(gluon, monkeypatch, case):
     q, k, v = qkv()
     var = Variants(softmax_scale=SCALE)
     sm90 = True
-    grads = {}
-    if case in ("misaligned-do", "lse-stride", "dk-stride", "dv-stride") and gluon.mode == "fwd":
-        pytest.skip("the backward's tensors")
     if case == "cpu":
         sm90 = False
     elif case == "off":
@@ -112,13 +106,25 @@ def test_refuses(gluon, monkeypatch, case):
         q = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
     elif case == "negative-scale":
         var.softmax_scale = -SCALE
-    elif case == "misaligned-do":
-        grads["do"] = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
+    assert not gluon(q, k, v, var, sm90)
+
+
+@pytest.mark.parametrize("case", ["misaligned-do", "lse-stride", "dk-stride", "dv-stride"])
+def test_dkdv_refuses_layouts(monkeypatch, case):
+    """The backward's own tensors: a dO not readable through descriptors, lse (and so delta) not
+    contiguous along the queries, dK / dV views with the head dim not innermost."""
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    q, k, v = qkv()
+    t = dict(do=torch.empty_like(q), lse=torch.empty(2, 8, 2048), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    assert bwd._gluon_ok(q, k, v, *t.values(), Variants(softmax_scale=SCALE), True)
+    if case == "misaligned-do":
+        t["do"] = torch.empty(2, 2048, 8, 130, dtype=torch.bfloat16)[..., :128]
     elif case == "lse-stride":  # (B, Hq, Sq) with the queries outermost
-        grads["lse"] = torch.empty(2048, 2, 8).permute(1, 2, 0)
-    elif case in ("dk-stride", "dv-stride"):  # views of a gradient with the head dim not innermost
-        grads[case[:2]] = torch.empty(2, 2048, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
-    assert not gluon(q, k, v, var, sm90, **grads)
+        t["lse"] = torch.empty(2048, 2, 8).permute(1, 2, 0)
+    else:  # views of a gradient with the head dim not innermost
+        t[case[:2]] = torch.empty(2, 2048, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
+    assert not bwd._gluon_ok(q, k, v, *t.values(), Variants(softmax_scale=SCALE), True)
 
 
 def test_forward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
