@@ -127,11 +127,21 @@ def test_dkdv_refuses_layouts(monkeypatch, case):
     assert not bwd._gluon_ok(q, k, v, *t.values(), Variants(softmax_scale=SCALE), True)
 
 
-def test_forward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
-    """attention_forward with the Gluon forward taken (on CPU tensors, as if on sm_90; launches
-    recorded, not run): a call whose q is not 16-byte aligned, with the same shapes and strides,
-    takes the Triton kernel (the plan key holds the alignment), and a replayed plan in a thread
-    that never set Triton's allocator still launches with one (the descriptors need it)."""
+def _misaligned(t):
+    """t's shape and strides, 2 bytes past a 16-byte boundary."""
+    off = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    assert off.stride() == t.stride() and off.data_ptr() % 16
+    return off
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
+    """The launchers with a Gluon kernel taken (CPU tensors as if on sm_90; launches recorded, not
+    run). The forward: the Gluon forward. The backward: the Triton dQ kernel first (it writes
+    delta), then the Gluon dK/dV kernel; with TRITONATTN_ATOMIC_DQ=1 the atomic path's own kernels.
+    Either way, the same call with an input 2 bytes off a 16-byte boundary (same shapes and strides:
+    the plan key holds the alignment) takes the Triton kernel, and a plan replayed in a thread that
+    never set Triton's allocator still launches with one (the descriptors need it)."""
     import threading
 
     from triton.runtime import _allocation
@@ -139,48 +149,6 @@ def test_forward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
     from tritonattn.kernels import launch, plan
 
     monkeypatch.setattr(fwd, "GLUON", True)
-    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
-    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    seen = []
-
-    def record(fn, grid, args, kwargs):
-        seen.append((fn.__name__, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
-
-    monkeypatch.setattr(launch, "launch", record)
-    plan.clear()
-    var = Variants(softmax_scale=SCALE, win_right=0)
-    q, k, v = qkv()
-    fwd.attention_forward(q, k, v, var)
-    assert seen == [("_fwd_ws_kernel", True)], seen
-    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
-    q_off = buf[1:].view(q.shape)  # 2 bytes past a 16-byte boundary, same shape and strides
-    assert q_off.stride() == q.stride() and q_off.data_ptr() % 16
-    fwd.attention_forward(q_off, k, v, var)
-    assert seen[-1][0] == "_fwd_kernel", seen
-
-    def worker():
-        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
-        fwd.attention_forward(q, k, v, var)
-
-    hits = plan.hits
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
-    assert seen[-1] == ("_fwd_ws_kernel", True), seen
-
-
-def test_backward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
-    """attention_backward with the Gluon dK/dV kernel taken (CPU tensors as if on sm_90, launches
-    recorded, not run): the Triton dQ kernel first (it writes delta), then the Gluon dK/dV kernel; a
-    dO that is not 16-byte aligned, same shapes and strides, takes the Triton dK/dV kernel; the
-    atomic-dQ path keeps its own; a replay in a thread with no allocator launches with one."""
-    import threading
-
-    from triton.runtime import _allocation
-
-    from tritonattn.kernels import launch, plan
-
     monkeypatch.setattr(bwd, "GLUON", True)
     monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
@@ -194,27 +162,39 @@ def test_backward_dispatch_alignment_and_replay_in_another_thread(monkeypatch):
     plan.clear()
     var = Variants(softmax_scale=SCALE, win_right=0)
     q, k, v = qkv()
-    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, 2048)
-    bwd.attention_backward(do, q, k, v, out, lse, var)
-    assert seen == [("_bwd_dq_kernel", True), ("_bwd_dkdv_ws_kernel", True)], seen
-    buf = torch.empty(do.numel() + 1, dtype=do.dtype)
-    do_off = buf[1:].view(do.shape)
-    assert do_off.stride() == do.stride() and do_off.data_ptr() % 16
-    bwd.attention_backward(do_off, q, k, v, out, lse, var)
-    assert [name for name, _ in seen[2:]] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel"], seen
-    with monkeypatch.context() as m:
-        m.setenv("TRITONATTN_ATOMIC_DQ", "1")
-        bwd.attention_backward(do, q, k, v, out, lse, var)
-    assert [name for name, _ in seen[4:]] == ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel"], seen
-    del seen[2:]
+    if mode == "fwd":
+        def call(q=q):
+            fwd.attention_forward(q, k, v, var)
+
+        gluon, triton_path, misaligned = ["_fwd_ws_kernel"], ["_fwd_kernel"], dict(q=_misaligned(q))
+    else:
+        do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, 2048)
+
+        def call(do=do):
+            bwd.attention_backward(do, q, k, v, out, lse, var)
+
+        gluon, triton_path = ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], ["_bwd_dq_kernel", "_bwd_dkdv_kernel"]
+        misaligned = dict(do=_misaligned(do))
+    call()
+    assert seen == [(name, True) for name in gluon], seen
+    del seen[:]
+    call(**misaligned)
+    assert [name for name, _ in seen] == triton_path, seen
+    if mode == "bwd":
+        del seen[:]
+        with monkeypatch.context() as m:
+            m.setenv("TRITONATTN_ATOMIC_DQ", "1")
+            call()
+        assert [name for name, _ in seen] == ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel"], seen
 
     def worker():
-        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
-        bwd.attention_backward(do, q, k, v, out, lse, var)
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
+        call()
 
     hits = plan.hits
+    del seen[:]
     t = threading.Thread(target=worker)
     t.start()
     t.join()
     assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
-    assert seen[-2:] == [("_bwd_dq_kernel", True), ("_bwd_dkdv_ws_kernel", True)], seen
+    assert seen == [(name, True) for name in gluon], seen

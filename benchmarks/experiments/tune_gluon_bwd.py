@@ -137,6 +137,17 @@ def _profiled_ms(q, k, v, do, causal, name, profile, ProfilerActivity) -> float:
     return us / 5 / 1e3
 
 
+def llama_inputs(B, S, causal):
+    """q, k, v (llama heads, bf16, requiring grad), dO, the kernels' arguments (with the library
+    forward's out and lse) and delta."""
+    q, k, v = (torch.randn(B, S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (32, 8, 8))
+    do = torch.randn_like(q)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, do, causal)
+    return q, k, v, do, args, delta_of(out.detach(), do)
+
+
 def bench_fused(seqlens, tiles) -> None:
     """The FUSED_DQ experiment against the library's split (Gluon dK/dV kernel + Triton dQ kernel)."""
     print("| S | causal | kernels | ms | x split |")
@@ -144,12 +155,7 @@ def bench_fused(seqlens, tiles) -> None:
     for S in seqlens:
         B = max(1, 16384 // S)
         for causal in (False, True):
-            q, k, v = (torch.randn(B, S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for h in (32, 8, 8))
-            do = torch.randn_like(q)
-            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-            args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, do, causal)
-            delta = delta_of(out.detach(), do)
+            q, k, v, do, args, delta = llama_inputs(B, S, causal)
             dq_ms = _profiled_ms(q, k, v, do, causal, "_bwd_dq", *_profiler())
             split_tile = bwd_sm90.TILES[128]
             dkdv_ms = graph_time(lambda: run(*args, split_tile, delta, (torch.empty_like(k), torch.empty_like(v))))
@@ -174,13 +180,8 @@ def bench(seqlens, tiles) -> None:
     for S in seqlens:
         B = max(1, 16384 // S)
         for causal in (False, True):
-            q, k, v = (torch.randn(B, S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for h in (32, 8, 8))
-            do = torch.randn_like(q)
-            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            q, k, v, do, args, delta = llama_inputs(B, S, causal)
             product = 2 * B * 32 * S * S * 128 / (2 if causal else 1)
-            args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, do, causal)
-            delta = delta_of(out.detach(), do)
             buffers = (torch.empty_like(k), torch.empty_like(v))
             base = library_ms(q, k, v, do, causal, "_bwd_dkdv_kernel")
             flops = 4 * product
