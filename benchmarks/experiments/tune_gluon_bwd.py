@@ -10,9 +10,8 @@ The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 
 
     python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 512 2048] [--tiles 64,2 64,3]
 
-With --fused: the FUSED_DQ experiment (gluon_bwd_fused_dq.py beside this) instead, checked for dQ
-too, and timed (zeroing its fp32 dQ buffer, the kernel, dQ's scaling included) against the
-library's Gluon dK/dV kernel plus its Triton dQ kernel.
+The eleventh session's Gluon dK/dV kernel with dQ fused (fp32 atomics) lost 2x: in git at 07734a4
+(benchmarks/experiments/gluon_bwd_fused_dq.py, run with this script's --fused there).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import gluon_bwd_fused_dq  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from tune_gluon_fwd import graph_time  # noqa: E402
@@ -55,29 +53,7 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
     return dk, dv
 
 
-def run_fused(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
-    """dQ, dK, dV from the FUSED_DQ experiment (dQ through a zeroed fp32 buffer, scaled at the end)."""
-    block_m, stages = tile
-    D = q.shape[-1]
-    delta = delta_of(out, do) if delta is None else delta
-    if grads is None:
-        grads = (torch.empty_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan")),
-                 torch.empty(q.shape, dtype=torch.float32, device=q.device))
-    dq, dk, dv, dqa = grads
-    dqa.zero_()
-    fwd._need_allocator()
-    grid = (triton.cdiv(k.shape[1], gluon_bwd_fused_dq.BLOCK_N), k.shape[0] * k.shape[2])
-    gluon_bwd_fused_dq._bwd_dkdv_ws_kernel[grid](
-        *gluon_bwd_fused_dq.launch_args(q, k, v, do, lse, delta, dk, dv, 0, D ** -0.5 * LOG2E.value, D ** -0.5,
-                                        dqa),
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, FUSED_DQ=True,
-        num_warps=gluon_bwd_fused_dq.NUM_WARPS, maxnreg=gluon_bwd_fused_dq.MAXNREG)
-    torch.mul(dqa, D ** -0.5, out=dqa)
-    dq.copy_(dqa)
-    return dq, dk, dv
-
-
-def check(tiles, fused=False) -> int:
+def check(tiles) -> int:
     failures = 0
     cases = [  # B, Sq, Sk, Hq, Hkv, causal
         (2, 1000, 1000, 4, 2, False), (2, 1000, 1000, 4, 2, True), (1, 77, 300, 4, 1, True),
@@ -99,11 +75,7 @@ def check(tiles, fused=False) -> int:
             magnitude = max(r.abs().max().item() for r in (rq, rk, rv))
             label = f"{tile[0]} {tile[1]} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}{'-causal' if causal else ''}"
             try:
-                if fused:
-                    dq, dk, dv = run_fused(q, k, v, out, lse, do, causal, tile[1])
-                    check_close("dq", dq, rq, sq, 3, magnitude=magnitude)
-                else:
-                    dk, dv = run(q, k, v, out, lse, do, causal, tile[1])
+                dk, dv = run(q, k, v, out, lse, do, causal, tile[1])
                 check_close("dk", dk, rk, sk, 3, magnitude=magnitude)
                 check_close("dv", dv, rv, sv, 3, magnitude=magnitude)
                 print("ok  ", label, flush=True)
@@ -148,32 +120,6 @@ def llama_inputs(B, S, causal):
     return q, k, v, do, args, delta_of(out.detach(), do)
 
 
-def bench_fused(seqlens, tiles) -> None:
-    """The FUSED_DQ experiment against the library's split (Gluon dK/dV kernel + Triton dQ kernel)."""
-    print("| S | causal | kernels | ms | x split |")
-    print("|---|---|---|---|---|")
-    for S in seqlens:
-        B = max(1, 16384 // S)
-        for causal in (False, True):
-            q, k, v, do, args, delta = llama_inputs(B, S, causal)
-            dq_ms = _profiled_ms(q, k, v, do, causal, "_bwd_dq", *_profiler())
-            split_tile = bwd_sm90.TILES[128]
-            dkdv_ms = graph_time(lambda: run(*args, split_tile, delta, (torch.empty_like(k), torch.empty_like(v))))
-            split = dq_ms + dkdv_ms
-            print(f"| {S} | {causal} | split: Gluon dK/dV {split_tile} + Triton dQ | {split:.4f} | 1.00 |", flush=True)
-            buffers = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                       torch.empty(q.shape, dtype=torch.float32, device=q.device))
-            for tile in tiles:
-                ms = graph_time(lambda tile=tile: run_fused(*args, tile, delta, buffers))
-                print(f"| {S} | {causal} | fused {tile} | {ms:.4f} | {split / ms:.2f} |", flush=True)
-
-
-def _profiler():
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile, ProfilerActivity
-
-
 def bench(seqlens, tiles) -> None:
     print("| S | causal | kernel | ms | TFLOP/s of its products | x library |")
     print("|---|---|---|---|---|---|")
@@ -197,11 +143,10 @@ def main() -> int:
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
     p.add_argument("--tiles", nargs="+", default=["64,2", "64,3"], help="BLOCK_M,STAGES")
     p.add_argument("--no-check", action="store_true")
-    p.add_argument("--fused", action="store_true", help="the FUSED_DQ experiment (gluon_bwd_fused_dq.py)")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    failures = 0 if args.no_check else check(tiles, args.fused)
-    (bench_fused if args.fused else bench)(args.seqlens, tiles)
+    failures = 0 if args.no_check else check(tiles)
+    bench(args.seqlens, tiles)
     return 1 if failures else 0
 
 
