@@ -1,5 +1,6 @@
 """The Gluon sm_90 forward (tritonattn/kernels/fwd_sm90.py: warp-specialized, ping-pong) against the
-library's Triton forward and cuDNN, on the H200, by tile (ws:BLOCK_N,STAGES). The first Gluon
+library's Triton forward and cuDNN, on the H200, by tile (ws:BLOCK_N,STAGES), and the persistent-grid
+experiment (gluon_fwd_persistent.py beside this; pws:BLOCK_N,STAGES,Q_BUFS). The first Gluon
 tries that lost (intra-warpgroup overlap, lazy rescaling; benchmarks/NOTES.md, tenth session) are
 in git at 57d25c1 (benchmarks/experiments/gluon_fwd_sm90.py).
 
@@ -9,7 +10,7 @@ median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (H
 16k tokens per batch, bf16.
 
     python benchmarks/experiments/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
-        [--tiles ws:128,3 ws:128,2]
+        [--tiles ws:128,3 pws:128,3,1 pws:128,2,2]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import gluon_fwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -37,7 +39,15 @@ def run(q, k, v, causal, tile, win_right=0):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
-    _, bn, stages = tile
+    kind, bn, stages, *q_bufs = tile
+    tiles = triton.cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq
+    if kind == "pws":  # one program per SM (at most one per tile)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        gluon_fwd_persistent._fwd_persistent_kernel[(min(tiles, sms),)](
+            *gluon_fwd_persistent.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal,
+            HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, Q_BUFS=q_bufs[0], num_warps=fwd_sm90.NUM_WARPS,
+            maxnreg=fwd_sm90.MAXNREG)
+        return out, lse
     fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M.value), B * Hq)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
         BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
@@ -54,6 +64,8 @@ def check(tiles) -> int:
     ]
     for tile in tiles:
         for B, Sq, Sk, Hq, Hkv, D, causal in cases:
+            if tile[0] == "pws" and D != 128:  # the persistent experiment: D=128 (its 3 slots need 229 KB)
+                continue
             torch.manual_seed(0)
             q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -124,10 +136,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tiles", nargs="+", default=["ws:128,3", "ws:128,2", "ws:64,3"], help="ws:BLOCK_N,STAGES")
+    p.add_argument("--tiles", nargs="+", default=["ws:128,3", "pws:128,3,1", "pws:128,2,2"],
+                   help="ws:BLOCK_N,STAGES (the library's kernel) or pws:BLOCK_N,STAGES,Q_BUFS (persistent)")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    tiles = [("ws", *(int(x) for x in t.removeprefix("ws:").split(","))) for t in args.tiles]
+    tiles = [(t.split(":")[0], *(int(x) for x in t.split(":")[1].split(","))) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, args.head_dims, tiles)
     return 1 if failures else 0
