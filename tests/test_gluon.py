@@ -198,3 +198,12 @@ def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
     t.join()
     assert plan.hits == hits + 1, "the aligned call's plan was not replayed"
     assert seen == [(name, True) for name in gluon], seen
+
+
+def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeypatch):
+    """The forward has programs per query head, the dK/dV kernel per kv head: with 16 query and 4 kv
+    heads in all, a limit of 10 programs per grid axis refuses the forward and not the backward."""
+    monkeypatch.setattr(configs, "MAX_GRID_YZ", 10)
+    assert gluon(*qkv(B=2, Hq=8, Hkv=2)) == (gluon.mode == "bwd_dkdv")
+    monkeypatch.setattr(configs, "MAX_GRID_YZ", 3)
+    assert not gluon(*qkv(B=2, Hq=8, Hkv=2))

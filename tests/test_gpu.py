@@ -164,8 +164,8 @@ def _launched(monkeypatch) -> list:
 
 
 # the Gluon kernels' calls: odd lengths from configs.GLUON_MIN_SEQLEN on, Sq != Sk both ways
-# (causal rows that see no key, keys that no query sees), one query or one key, GQA / MQA / MHA,
-# both 16-bit dtypes
+# (causal rows that see no key), one query or one key, GQA / MQA / MHA, both 16-bit dtypes (keys
+# that no query sees: test_gluon_forward_sdpa_top_left_causal)
 GLUON_CASES = [
     (2, 2048, 2048, 8, 2, 128, False, BF16),
     (2, 2048, 2048, 8, 2, 128, True, F16),
@@ -175,7 +175,7 @@ GLUON_CASES = [
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024
-    (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, keys no query sees
+    (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, rows that see no key
     (1, 511, 511, 4, 1, 128, False, F16),  # neither
 ]
 
@@ -235,24 +235,28 @@ def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
     check_against_reference(q, k, v, out, lse, grads, dout, False, window_size=(-1, right))
 
 
-def test_gluon_forward_sdpa_top_left_causal(poison, monkeypatch):
+@pytest.mark.parametrize("Sq,Sk", [(2500, 3100), (2048, 4096)])
+def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch):
     """SDPA's top-left causal mask with Sq < Sk, a right edge at Sq - Sk < 0 (which flash-attn's
-    window_size cannot say), through the Gluon forward: against the reference with that edge, and
-    within bf16 rounding of PyTorch's SDPA in fp32. (The reference takes the mask as a boolean tile:
-    its window_size reads a negative right edge as none.)"""
+    window_size cannot say), through both Gluon kernels: against the reference with that edge, and
+    within bf16 rounding of PyTorch's SDPA in fp32. Keys past Sq are seen by no query: at 2048 /
+    4096 whole dK/dV programs have no query block (their dK and dV must be 0). (The reference takes
+    the mask as a boolean tile: its window_size reads a negative right edge as none.)"""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     torch.manual_seed(6)
-    q, k, v = random_qkv(1, 2500, 3100, 8, 2, 128, BF16, DEVICE)
+    q, k, v = random_qkv(1, Sq, Sk, 8, 2, 128, BF16, DEVICE)
     sdpa_q, sdpa_k, sdpa_v = (t.transpose(1, 2) for t in (q, k, v))
     names = _launched(monkeypatch)
     top_left = scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, is_causal=True, enable_gqa=True)
     assert "_fwd_ws_kernel" in names, names
     dout = torch.randn_like(top_left)
     grads = torch.autograd.grad(top_left, (q, k, v), dout)
-    top_left_mask = torch.arange(3100, device=DEVICE)[None, :] <= torch.arange(2500, device=DEVICE)[:, None]
+    assert "_bwd_dkdv_ws_kernel" in names, names
+    top_left_mask = torch.arange(Sk, device=DEVICE)[None, :] <= torch.arange(Sq, device=DEVICE)[:, None]
     check_against_reference(q, k, v, top_left.transpose(1, 2), None, grads, dout.transpose(1, 2), False,
                             mask=top_left_mask)
+    assert not grads[1][:, Sq:].any() and not grads[2][:, Sq:].any()
     ref = torch.nn.functional.scaled_dot_product_attention(sdpa_q.float(), sdpa_k.float(), sdpa_v.float(),
                                                            is_causal=True, enable_gqa=True)
     torch.testing.assert_close(top_left.float(), ref, atol=2e-2, rtol=0)
@@ -273,18 +277,26 @@ def test_gluon_forward_not_taken(monkeypatch):
         lambda: flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.rand(4, device=DEVICE)),
         lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 2048, 2048, causal=True),
     ]
-    for call in calls:
+
+    def forward_and_backward(call) -> list:
         names = _launched(monkeypatch)
-        call().sum().backward()
+        out = call()
+        # a dense dO (``out.sum().backward()`` hands a stride-0 one, which no descriptor reads)
+        out.backward(torch.randn_like(out))
+        return names
+
+    # the control: the plain causal call takes both Gluon kernels
+    names = forward_and_backward(lambda: flash_attn_func(q, k, v, causal=True))
+    assert "_fwd_ws_kernel" in names and "_bwd_dkdv_ws_kernel" in names, names
+    for call in calls:
+        names = forward_and_backward(call)
         assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
         assert "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
     with configs.override(fwd=configs.forward_config(q, True), bwd_dkdv=configs.backward_dkdv_config(q, True)):
-        names = _launched(monkeypatch)
-        flash_attn_func(q, k, v, causal=True).sum().backward()
+        names = forward_and_backward(lambda: flash_attn_func(q, k, v, causal=True))
         assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names
     monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
-    names = _launched(monkeypatch)
-    flash_attn_func(q, k, v, causal=True).sum().backward()
+    names = forward_and_backward(lambda: flash_attn_func(q, k, v, causal=True))
     assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names
 
 

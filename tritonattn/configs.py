@@ -306,7 +306,8 @@ SHORT_SEQLEN = 1024
 # tiles; 0.96x at 512). The dK / dV kernel (kernels/bwd_sm90.py, eleventh session), 128 keys per
 # program: without a mask from 512 (the whole backward +5..+7% at 512-2048, graph replays, B=4);
 # with one from 2048, where its programs are enough for the causal imbalance (B=4: +0% at 2048,
-# +4..+9% from 4096, but -14% at 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with B=16)
+# +4..+9% from 4096, but -14% at 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with
+# B=32 / 16)
 GLUON_MIN_SEQLEN = {"fwd": (1024, 2048), "bwd_dkdv": (512, 2048)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}

@@ -736,7 +736,7 @@ def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool) -> bool:
     shares with the Gluon forward (fwd.gluon_serves, dO readable through descriptors too), plus the
     layouts its plain loads and stores take: lse (and delta, which shares its strides) with unit
     stride along the queries, dK / dV with unit stride along the head dim. Measured on the H200
-    (benchmarks/NOTES.md, eleventh session): 1.07-1.24x the Triton dK/dV kernel at S=512-16384 with
+    (benchmarks/NOTES.md, eleventh session): 1.06-1.24x the Triton dK/dV kernel at S=512-16384 with
     enough programs (configs.GLUON_MIN_SEQLEN)."""
     return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do)
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)

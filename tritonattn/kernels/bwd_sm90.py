@@ -18,7 +18,7 @@ eleventh session).
 Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TILES, dense, no
 variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
 descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
-along the head dim. On the H200 (llama shape, S=512-16384) it ran 1.07-1.24x the Triton dK / dV
+along the head dim. On the H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV
 kernel. The interpreter cannot run Gluon: the CPU tier compiles it for sm_90
 (scripts/compile_check.py) and tests the eligibility rule; the GPU tier tests its gradients.
 """
@@ -40,7 +40,7 @@ from tritonattn.kernels.common import LOG2E
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
 BLOCK_N = 2 * HALF.value  # the launcher's
 # by head dim: (query rows per step, Q / dO slots), H200, llama shape (NOTES, eleventh session):
-# D=128 with 64 rows and 2 slots 1.07-1.24x the Triton kernel at S=512-16384 (3 or 4 slots: within
+# D=128 with 64 rows and 2 slots 1.06-1.24x the Triton kernel at S=512-16384 (3 or 4 slots: within
 # a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x
 TILES = {128: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -68,10 +68,14 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
                                              [BLOCK_M, HEAD_DIM], layout)
         for i in range(n_m):
             slot = t % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
             row = (lo_blk + i) * BLOCK_M
-            if LSE_SMEM:  # the block's lse (exp2 domain) and delta, stored before the slot's arrival
-                _rows_to_smem(LSE + h * stride_lse_h, DELTA + h * stride_lse_h, row, Sq, rows_smem, slot, BLOCK_M)
+            if LSE_SMEM:  # the block's lse (exp2 domain) and delta: loaded before the wait, stored after it
+                lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h, row, Sq, BLOCK_M)
+            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+            if LSE_SMEM:
+                rows_smem.index(2 * slot).store(lse2)
+                rows_smem.index(2 * slot + 1).store(delta)
+                gl.thread_barrier()  # every lane's stores before the one lane's arrival below
             mbarrier.expect(ready_bars.index(slot), 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bars.index(slot), q_smem.index(slot))
             tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bars.index(slot), do_smem.index(slot))
@@ -83,17 +87,15 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
 
 
 @gluon.jit
-def _rows_to_smem(p_lse, p_delta, row, Sq, rows_smem, slot, BLOCK_M: gl.constexpr):
-    """lse2 and delta of query rows [row, row + BLOCK_M) into slot ``slot`` of ``rows_smem``
-    ([2 * STAGES, BLOCK_M] fp32: lse2 at 2 slot, delta at 2 slot + 1), by the producer's one warp.
+def _load_rows(p_lse, p_delta, row, Sq, BLOCK_M: gl.constexpr):
+    """lse2 (exp2 domain) and delta of query rows [row, row + BLOCK_M), in the producer's one warp.
     Rows past Sq or that saw no key: lse2 = +inf, so their probabilities are exactly 0."""
     vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32], warps_per_cta=[1],
                                          order=[0])
     offs = row + gl.arange(0, BLOCK_M, layout=vec)
     ok = offs < Sq
     lse = gl.load(p_lse + offs, mask=ok, other=float("inf"))
-    rows_smem.index(2 * slot).store(gl.where(lse == float("-inf"), float("inf"), lse * LOG2E))
-    rows_smem.index(2 * slot + 1).store(gl.load(p_delta + offs, mask=ok, other=0.0))
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E), gl.load(p_delta + offs, mask=ok, other=0.0)
 
 
 @gluon.jit
