@@ -106,6 +106,8 @@ def main(argv=None) -> int:
             # compile the Triton kernels)
             stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
             stack.enter_context(mock.patch.object(bwd, "_on_sm90", lambda q: gluon))
+            # and the Gluon forward's varlen path (off by default: fwd.GLUON_VARLEN)
+            stack.enter_context(mock.patch.object(fwd, "GLUON_VARLEN", gluon))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
@@ -174,6 +176,7 @@ def main(argv=None) -> int:
                 (f"gluon-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True)),
                 (f"gluon-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True)),
                 (f"gluon-right-edge-{dt}", 128, dtypes[dt], dict(win_right=-300), dict(s=2048, gluon=True)),
+                (f"gluon-varlen-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, varlen=True)),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
@@ -240,11 +243,13 @@ def main(argv=None) -> int:
             failures += 1
             print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
-        missing = {"_fwd_ws_kernel", "_bwd_dkdv_ws_kernel"} - {r["name"] for r in RESULTS[start:]}
+        # (varlen backwards take the Triton dK/dV kernel)
+        wanted = {"_fwd_ws_kernel"} | (set() if run_kw.get("varlen") else {"_bwd_dkdv_ws_kernel"})
+        missing = wanted - {r["name"] for r in RESULTS[start:]}
         if run_kw.get("gluon") and missing:
             failures += 1  # a Gluon case that compiled a Triton kernel instead (Gluon off, or refused)
             print(f"{label:28} FAILED: {', '.join(sorted(missing))} not compiled (TRITONATTN_FWD_GLUON / "
-                  "TRITONATTN_BWD_GLUON, fwd._gluon_ok / bwd._gluon_ok)")
+                  "TRITONATTN_BWD_GLUON / fwd.GLUON_VARLEN, fwd._gluon_ok / bwd._gluon_ok)")
             continue
         for r in RESULTS[start:]:
             regs, spill = resources(r["kernel"])

@@ -207,3 +207,46 @@ def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeyp
     assert gluon(*qkv(B=2, Hq=8, Hkv=2)) == (gluon.mode == "bwd_dkdv")
     monkeypatch.setattr(configs, "MAX_GRID_YZ", 3)
     assert not gluon(*qkv(B=2, Hq=8, Hkv=2))
+
+
+def test_varlen_only_when_switched_on(gluon, monkeypatch):
+    """Packed variable-length calls take the Gluon forward only with fwd.GLUON_VARLEN (off by default
+    until measured on the H200), judged by their longest sequences; never the Gluon dK/dV kernel."""
+    var = Variants(softmax_scale=SCALE, win_right=0)
+    var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 100, 2148], dtype=torch.int32)
+    var.max_seqlen_q = var.max_seqlen_k = 2048
+    q, k, v = (t.reshape(-1, *t.shape[2:])[:2148] for t in qkv())
+    assert not gluon(q, k, v, var)
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
+    assert gluon(q, k, v, var) == (gluon.mode == "fwd")
+    var.max_seqlen_q = var.max_seqlen_k = configs.GLUON_MIN_SEQLEN["fwd"][1] - 1
+    assert not gluon(q, k, v, var)
+
+
+def test_varlen_launch(monkeypatch):
+    """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded):
+    IS_VARLEN, a grid of the longest sequence's query blocks by batch x heads, the cu_seqlens
+    tensors and the packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
+    from tritonattn.kernels import fwd_sm90, launch, plan
+
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+    plan.clear()
+    cu_q = torch.tensor([0, 3000, 3001], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2500, 2600], dtype=torch.int32)
+    q = torch.empty(3001, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(2600, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    var = Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3000,
+                   max_seqlen_k=2500)
+    out, lse = fwd.attention_forward(q, k, v, var)
+    assert lse.shape == (8, 3001)
+    ((name, grid, args, kwargs),) = seen
+    assert name == "_fwd_ws_kernel" and kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
+    assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value), 2 * 8), grid
+    assert args[5] is cu_q and args[6] is cu_k
+    assert args[7:10] == (0, 8 * 128, 128) and args[19:21] == (0, 3001)  # q (batch, row, head), lse (batch, head)
+    assert args[21:25] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences

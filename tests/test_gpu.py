@@ -385,6 +385,45 @@ def test_varlen_on_gpu(causal, poison):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_varlen(causal, poison, monkeypatch):
+    """The Gluon forward's variable-length path (fwd.GLUON_VARLEN, off by default until this test
+    and a measurement pass on the H200): taken, each sequence within the reference's tolerance
+    (out, lse, and the gradients the Triton backward computes from its lse), Sq != Sk both ways, a
+    sequence with queries and no key (out 0, lse -inf), one with keys and no query, one query; and
+    bitwise what the sequence's own dense call gives where that call takes the Gluon forward too."""
+    from tritonattn import flash_attn_varlen_func
+
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
+    lens_q, lens_k = [2100, 5, 3000, 0, 1, 1300], [2100, 0, 2999, 7, 4096, 2500]
+    torch.manual_seed(11)
+    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
+    names = _launched(monkeypatch)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         return_attn_probs=True)
+    assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lq == 0:
+            continue
+        if lk == 0:
+            assert not out[qs].any() and torch.all(lse[:, qs] == float("-inf")), b
+            continue
+        check_against_reference(q[qs][None], k[ks][None], v[ks][None], out[qs][None], lse[:, qs][None],
+                                (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], causal)
+        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][causal]:  # its dense call takes the Gluon forward
+            ob, lseb, _ = flash_attn_func(q.detach()[qs][None], k.detach()[ks][None], v.detach()[ks][None],
+                                          causal=causal, return_attn_probs=True)
+            assert torch.equal(out[qs], ob[0]) and torch.equal(lse[:, qs], lseb[0]), b
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch):
     """With TRITONATTN_BATCH_INVARIANT, a sequence of a packed batch gives bitwise what a dense call
     on it alone gives, where the default would pick other tiles for the two calls: a short

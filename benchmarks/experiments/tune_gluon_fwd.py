@@ -136,6 +136,40 @@ def bench(seqlens, head_dims, tiles) -> None:
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
 
 
+def bench_varlen(seqlens) -> None:
+    """Packed sequences (flash_attn_varlen_func, 16k tokens, llama heads, D=128, bf16): the Triton
+    forward against the Gluon forward's varlen path (fwd.GLUON_VARLEN), and the dense Gluon call
+    of the same work, as graph replays. Equal lengths S, and ragged ones (S, S/2, 3S/2 repeated)."""
+    from tritonattn import flash_attn_varlen_func
+
+    varlen_default = fwd.GLUON_VARLEN
+    print("| S | lengths | causal | triton varlen ms | gluon varlen ms | x triton | gluon dense ms |")
+    print("|---|---|---|---|---|---|---|")
+    for S in seqlens:
+        n = max(1, 16384 // S)
+        for kind, lens in (("equal", [S] * n), ("ragged", ([S, S // 2, 3 * S // 2] * n)[:max(n, 3)])):
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+            q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for causal in (False, True):
+                def call(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
+                    flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+
+                times = []
+                for on in (False, True):
+                    fwd.GLUON_VARLEN = on
+                    try:
+                        times.append(graph_time(call))
+                    finally:
+                        fwd.GLUON_VARLEN = varlen_default
+                dense = "-"
+                if kind == "equal":
+                    qd, kd, vd = (t.view(n, S, *t.shape[1:]) for t in (q, k, v))
+                    dense = f"{graph_time(lambda: flash_attn_func(qd, kd, vd, causal=causal)):.4f}"
+                print(f"| {S} | {kind} | {causal} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f} | "
+                      f"{dense} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
@@ -143,10 +177,13 @@ def main() -> int:
     p.add_argument("--tiles", nargs="+", default=["ws:128,3", "pws:128,3,1", "pws:128,2,2"],
                    help="ws:BLOCK_N,STAGES (the library's kernel) or pws:BLOCK_N,STAGES,Q_BUFS (persistent)")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
     tiles = [(t.split(":")[0], *(int(x) for x in t.split(":")[1].split(","))) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, args.head_dims, tiles)
+    if args.varlen:
+        bench_varlen(args.seqlens)
     return 1 if failures else 0
 
 

@@ -238,6 +238,10 @@ WS = configs.env_flag("TRITONATTN_FWD_WS")
 # turns it off, =1 turns it on with other Triton versions.
 _GLUON_ENV = configs.env_flag("TRITONATTN_FWD_GLUON", default=None)
 GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUON_ENV is None else _GLUON_ENV)
+# Variable-length calls through the Gluon forward (its IS_VARLEN path: per-sequence descriptors from
+# cu_seqlens). Off until measured and tested on the H200 (written in the eleventh session without
+# device time); TRITONATTN_FWD_GLUON_VARLEN=1 turns it on.
+GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN")
 
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
@@ -245,18 +249,20 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the
     Triton kernel at S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at
     D=64 or D=256, so not there."""
-    return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES)
+    return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN)
 
 
-def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more) -> bool:
+def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more, varlen: bool = False) -> bool:
     """The rule the Gluon kernels share (``mode``: "fwd" or "bwd_dkdv", each with its switch
     checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense, no variant but a
     causal mask or a window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN``
-    long, Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
+    long (variable length, with ``varlen``: the longest sequences), Q / K / V (and ``more``) readable
+    through tensor descriptors (see _tma_ok), not
     TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernels, so dense calls must too), and
     no tile of this mode forced (``configs.override``: the tests and the tuner time the Triton
     kernels')."""
-    if not sm90 or configs.BATCH_INVARIANT or mode in configs._override or q.shape[-1] not in tiles or var.varlen:
+    if not sm90 or configs.BATCH_INVARIANT or mode in configs._override or q.shape[-1] not in tiles \
+            or (var.varlen and not varlen):
         return False
     if not var.right_edge_only or var.softmax_scale <= 0:
         return False
@@ -327,7 +333,7 @@ def attention_forward(q, k, v, var: Variants):
     if tma or aligned:  # descriptors need Triton's allocator, a per-thread setting: also for a replay
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, aligned)
+           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned)
     # (heads_first's other inputs are in the key; MAX_GRID_YZ is a constant, changed only by tests,
     # which clear the plans)
     res = plan.replay(key, inputs, q.device)
@@ -343,10 +349,11 @@ def attention_forward(q, k, v, var: Variants):
         return b.finish((out, lse))
     if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
         block_n, stages = fwd_sm90.TILES[D]
+        seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk)) if var.varlen else {}
         b.launch(fwd_sm90._fwd_ws_kernel, (cdiv(Sq, fwd_sm90.BLOCK_M.value), B * Hq),
-                 fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0]),
+                 fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
-                      num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG))
+                      num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
         return b.finish((out, lse))
     heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
     # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one

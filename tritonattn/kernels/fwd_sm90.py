@@ -174,7 +174,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_om, q_smem, k_smem, v_smem, q_bar
 
 @gluon.jit
 def _fwd_ws_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -182,7 +182,7 @@ def _fwd_ws_kernel(
     stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, win_right, qk_scale,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -197,13 +197,29 @@ def _fwd_ws_kernel(
     off_h = (bh % Hq).to(gl.int64)
     off_hk = off_h // GROUP
     start_m = pid_m * BLOCK_M
+    # variable length (IS_VARLEN): sequence off_b is rows [cu[b], cu[b + 1]) of the packed (total, H, D)
+    # tensors (batch strides 0), Sq / Sk the longest; lse (Hq, total_q) with a batch stride of 0
+    q_start = 0
+    k_start = 0
+    k_rows = Sk
+    if IS_VARLEN:
+        q_start = gl.load(CU_Q + off_b).to(gl.int64)
+        k_start = gl.load(CU_K + off_b).to(gl.int64)
+        Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
+        Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
+        if start_m >= Sq:  # past this sequence's queries
+            return
+        # a sequence with no key: a one-row descriptor at the tensor's start (every key is masked)
+        k_rows = gl.maximum(Sk, 1)
+        if Sk == 0:
+            k_start = k_start * 0
 
-    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, [Sq, HEAD_DIM], [stride_qm, 1],
-                                        [HALF, HEAD_DIM], tile_layout)
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [Sk, HEAD_DIM], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_DIM], tile_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [Sk, HEAD_DIM], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_DIM], tile_layout)
+    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
+                                        [Sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
+                                        [k_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh,
+                                        [k_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], tile_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
@@ -231,8 +247,8 @@ def _fwd_ws_kernel(
     n_blocks = gl.cdiv(hi, BLOCK_N)
     n_full = full_hi // BLOCK_N
 
-    o_base = O + off_b * stride_ob + off_h * stride_oh
-    lse_base = LSE + off_b * stride_lse_b + off_h * stride_lse_h
+    o_base = O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
+    lse_base = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
     gl.warp_specialize([
         (_consumer, (0, o_base, lse_base, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                      turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full, CAUSAL, HEAD_DIM,
@@ -245,10 +261,16 @@ def _fwd_ws_kernel(
     ], [4, 1], [240, 24])
 
 
-def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float) -> tuple:
+def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None) -> tuple:
     """Runtime arguments of :func:`_fwd_ws_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
     with unit dim stride, lse (B, Hq, Sq) contiguous; ``win_right``: query i sees keys
-    j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal)."""
-    hq, hkv = q.shape[2], k.shape[2]
-    return (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale)
+    j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal).
+    Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
+    ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q)."""
+    if cu_seqlens is None:
+        hq, hkv = q.shape[2], k.shape[2]
+        return (q, k, v, out, lse, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale)
+    hq, hkv = q.shape[1], k.shape[1]
+    return (q, k, v, out, lse, *cu_seqlens, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
+            0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale)
