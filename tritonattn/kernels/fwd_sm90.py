@@ -15,7 +15,9 @@ No CTA-wide barrier in the loop: partitions talk only through mbarriers.
 Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dims in TILES,
 dense calls with no variant but a causal mask or a window's right edge, K / V / Q readable through
 tensor descriptors. On the H200 it took the llama forward from 0.79-0.87x cuDNN (the Triton
-kernel) to 0.95-1.00x at S=8192-16384. Every other call takes ``fwd._fwd_kernel``. The interpreter
+kernel) to 0.95-1.00x at S=8192-16384. Every other call takes ``fwd._fwd_kernel``. IS_VARLEN
+(packed sequences through descriptors built from ``cu_seqlens``) is taken only with
+``fwd.GLUON_VARLEN`` (TRITONATTN_FWD_GLUON_VARLEN=1): not yet run on a GPU. The interpreter
 cannot run Gluon: the CPU tier compiles this kernel for sm_90 (tests/test_compile_sm90.py) and
 tests the eligibility rule; the GPU tier tests its results.
 """
