@@ -10,7 +10,8 @@ tile's descriptors, loads its first K / V block and, once both consumers are don
 buffer it reuses (an mbarrier per Q buffer), its Q. Ring slots, turns and Q buffers are counted
 across tiles. Q_BUFS=2 double-buffers Q (with 2 K / V slots: 192 KB); Q_BUFS=1 keeps 3 slots.
 
-Reuses the library's softmax step. Checked and timed by tune_gluon_fwd.py (tiles pws:BLOCK_N,STAGES,Q_BUFS).
+Reuses the library's softmax step and consumer steps (with the ring and turn offsets J, T).
+Checked and timed by tune_gluon_fwd.py (tiles pws:BLOCK_N,STAGES,Q_BUFS).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonattn.kernels.common import LN2
-from tritonattn.kernels.fwd_sm90 import BLOCK_M, MAXNREG, NUM_WARPS, _softmax_step  # noqa: F401 (re-exported)
+from tritonattn.kernels.fwd_sm90 import BLOCK_M, MAXNREG, NUM_WARPS, _consumer_steps, _softmax_step  # noqa: F401
 
 
 @gluon.jit
@@ -94,29 +95,6 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
 
 
 @gluon.jit
-def _steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p, m_i,
-           l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """The library's consumer steps, with the ring and the turns counted from J blocks and T turns."""
-    for j in range(lo, hi):
-        slot = (J + j) % STAGES
-        prev = (J + j - 1) % STAGES
-        mbarrier.wait(k_bars.index(slot), ((J + j) // STAGES) & 1)
-        mbarrier.wait(v_bars.index(prev), ((J + j - 1) // STAGES) & 1)
-        mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ (1 - WG))
-        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn_bars.index(1 - WG))
-        s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
-        mbarrier.arrive(empty_bars.index(prev))
-        p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
-                                             MASKED, CAUSAL)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
-    return acc, p, m_i, l_i
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
               v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
               causal_shift, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -155,12 +133,13 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
                                              CAUSAL)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
-        acc, p, m_i, l_i = _steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars, v_bars, empty_bars,
-                                  turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
-                                  False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-        acc, p, m_i, l_i = _steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars, v_bars,
-                                  empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift,
-                                  qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+        acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars, v_bars,
+                                           empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
+                                           causal_shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+        acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
+                                           v_bars, empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n,
+                                           Sk, causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout,
+                                           p_layout)
         # every S of the tile is done: its Q buffer can take a later tile's Q
         mbarrier.arrive(q_empty.index(qb))
         nb = gl.maximum(n_blocks, 1)

@@ -254,13 +254,13 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
 
 def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more, varlen: bool = False) -> bool:
     """The rule the Gluon kernels share (``mode``: "fwd" or "bwd_dkdv", each with its switch
-    checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense, no variant but a
+    checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense (or variable
+    length when the caller passes ``varlen``, judged by the longest sequences), no variant but a
     causal mask or a window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN``
-    long (variable length, with ``varlen``: the longest sequences), Q / K / V (and ``more``) readable
-    through tensor descriptors (see _tma_ok), not
-    TRITONATTN_BATCH_INVARIANT (varlen calls take the Triton kernels, so dense calls must too), and
-    no tile of this mode forced (``configs.override``: the tests and the tuner time the Triton
-    kernels')."""
+    long, Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
+    TRITONATTN_BATCH_INVARIANT (the length rule would pick different kernels for a packed
+    sequence and its own dense call), and no tile of this mode forced (``configs.override``: the
+    tests and the tuner time the Triton kernels')."""
     if not sm90 or configs.BATCH_INVARIANT or mode in configs._override or q.shape[-1] not in tiles \
             or (var.varlen and not varlen):
         return False

@@ -89,20 +89,21 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_b
 
 
 @gluon.jit
-def _consumer_steps(lo, hi, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p,
-                    m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
+def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+                    p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
-    rescale, and block j-1's slot released."""
+    rescale, and block j-1's slot released. The ring's blocks and the turns count from J and T
+    (0 here; a program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+        slot = (J + j) % STAGES
+        prev = (J + j - 1) % STAGES
+        mbarrier.wait(k_bars.index(slot), ((J + j) // STAGES) & 1)
+        mbarrier.wait(v_bars.index(prev), ((J + j - 1) // STAGES) & 1)
         # consumer 0's turns are odd phases of its barrier (the first passes at once), consumer 1's even
-        mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
+        mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ (1 - WG))
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - WG))
@@ -146,10 +147,10 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_om, q_smem, k_smem, v_smem, q_bar
     p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, Sk, causal_shift, qk_scale, True, CAUSAL)
     p = gl.convert_layout(p32.to(dtype), p_layout)
 
-    acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), WG, q, k_smem, v_smem, k_bars, v_bars, empty_bars,
-                                       turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift,
-                                       qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-    acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, WG, q, k_smem, v_smem, k_bars, v_bars,
+    acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), 0, 0, WG, q, k_smem, v_smem, k_bars, v_bars,
+                                       empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
+                                       causal_shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
+    acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, 0, 0, WG, q, k_smem, v_smem, k_bars, v_bars,
                                        empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
                                        causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
     # the last block's P V, in turn
