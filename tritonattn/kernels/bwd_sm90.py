@@ -70,7 +70,10 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
             slot = t % STAGES
             row = (lo_blk + i) * BLOCK_M
             if LSE_SMEM:  # the block's lse (exp2 domain) and delta: loaded before the wait, stored after it
-                lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h, row, Sq, BLOCK_M)
+                vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
+                                                     warps_per_cta=[1], order=[0])
+                lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h,
+                                         row + gl.arange(0, BLOCK_M, layout=vec), Sq)
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
             if LSE_SMEM:
                 rows_smem.index(2 * slot).store(lse2)
@@ -87,12 +90,9 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
 
 
 @gluon.jit
-def _load_rows(p_lse, p_delta, row, Sq, BLOCK_M: gl.constexpr):
-    """lse2 (exp2 domain) and delta of query rows [row, row + BLOCK_M), in the producer's one warp.
-    Rows past Sq or that saw no key: lse2 = +inf, so their probabilities are exactly 0."""
-    vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32], warps_per_cta=[1],
-                                         order=[0])
-    offs = row + gl.arange(0, BLOCK_M, layout=vec)
+def _load_rows(p_lse, p_delta, offs, Sq):
+    """lse2 (exp2 domain) and delta of query rows ``offs`` (any layout). Rows past Sq or that saw no
+    key: lse2 = +inf, so their probabilities are exactly 0."""
     ok = offs < Sq
     lse = gl.load(p_lse + offs, mask=ok, other=float("inf"))
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E), gl.load(p_delta + offs, mask=ok, other=0.0)
@@ -126,7 +126,6 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, LSE, DELTA, stri
         for i in range(n_m):
             slot = t % STAGES
             offs_m = (lo_blk + i) * BLOCK_M + offs_mb
-            m_ok = offs_m < Sq
             mbarrier.wait(ready_bars.index(slot), (t // STAGES) & 1)
             q = q_smem.index(slot)
             do = do_smem.index(slot)
@@ -137,11 +136,8 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, LSE, DELTA, stri
                 lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
                 delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
             else:
-                # loaded while the products run (short live ranges: the consumers are at 240 registers).
-                # Rows past Sq or that saw no key: lse2 = +inf, so their probabilities are exactly 0
-                lse = gl.load(p_lse + offs_m, mask=m_ok, other=float("inf"))
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-                delta = gl.load(p_delta + offs_m, mask=m_ok, other=0.0)
+                # loaded while the products run (short live ranges: the consumers are at 240 registers)
+                lse2, delta = _load_rows(p_lse, p_delta, offs_m, Sq)
                 st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
             if CAUSAL:  # key j is seen by query i when j <= i + shift
                 if (lo_blk + i) * BLOCK_M + shift < key0 + HALF - 1:
