@@ -70,6 +70,25 @@ def test_launch_cache_key_of_arguments():
     assert key[6:] == (float, None, bool)
 
 
+def test_launch_cache_tail_takes_defaults():
+    """The launch cache hands the C launcher every parameter after the runtime arguments: from the
+    launch's keywords, else the parameter's default; one with neither is a KeyError naming it (a
+    constexpr left at its default once made every cached Gluon dK/dV launch raise KeyError)."""
+    import triton
+    import triton.language as tl
+
+    from tritonattn.kernels.launch import tail_values
+
+    @triton.jit
+    def kern(X, n, A: tl.constexpr, B: tl.constexpr = 3, C: tl.constexpr = None):
+        pass
+
+    assert tail_values(kern, 2, {"A": 1, "num_warps": 4}) == (1, 3, None)
+    assert tail_values(kern, 2, {"A": 1, "B": 5, "C": 7}) == (1, 5, 7)
+    with pytest.raises(KeyError, match="A"):
+        tail_values(kern, 2, {"B": 5})
+
+
 def test_heads_first_rule(monkeypatch):
     """Heads-first program order: only for banded (causal / right-window) calls, forced by
     configs.HEADS_FIRST when set, else on a GPU when K and V of every head fit in L2."""

@@ -1,6 +1,5 @@
 """The Gluon dK/dV kernel (tritonattn/kernels/bwd_sm90.py) by tile, against the fp64 reference and
-the library's Triton dK/dV kernel, on the H200. A third number in a tile sets the kernel's
-LSE_SMEM switch (an experiment: lse and delta written to shared memory by the producer).
+the library's Triton dK/dV kernel, on the H200.
 
 First checks dK / dV on odd shapes with the tests' tolerance rule (lse from the library's forward,
 delta = rowsum(dO * O)) for every tile; then times each tile (CUDA-graph replays of the kernel
@@ -41,7 +40,7 @@ def delta_of(out, do):
 def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
     """dK, dV from the Gluon kernel. The timed calls pass ``delta`` and the output buffers
     (``grads``), so that only the kernel is timed."""
-    block_m, stages, *lse_smem = tile
+    block_m, stages = tile
     D = q.shape[-1]
     delta = delta_of(out, do) if delta is None else delta
     dk, dv = grads if grads is not None else (torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
@@ -50,7 +49,7 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
     bwd_sm90._bwd_dkdv_ws_kernel[grid](
         *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, 0, D ** -0.5 * LOG2E.value, D ** -0.5),
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, num_warps=bwd_sm90.NUM_WARPS,
-        maxnreg=bwd_sm90.MAXNREG, LSE_SMEM=bool(lse_smem and lse_smem[0]))
+        maxnreg=bwd_sm90.MAXNREG)
     return dk, dv
 
 
@@ -142,8 +141,7 @@ def bench(seqlens, tiles) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
-    p.add_argument("--tiles", nargs="+", default=["64,2", "64,2,1"],
-                   help="BLOCK_M,STAGES[,LSE_SMEM] (1: lse and delta through shared memory)")
+    p.add_argument("--tiles", nargs="+", default=["64,2", "64,3"], help="BLOCK_M,STAGES")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]

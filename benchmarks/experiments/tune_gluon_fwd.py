@@ -54,7 +54,9 @@ def run(q, k, v, causal, tile, win_right=0, programs=None):
     return out, lse
 
 
-def check(tiles) -> int:
+def check(tiles, head_dims) -> int:
+    """Each tile against the fp64 reference on the cases of ``head_dims`` (the library's tile for
+    D=128 does not fit D=256's shared memory)."""
     failures = 0
     cases = [  # B, Sq, Sk, Hq, Hkv, D, causal
         (2, 1000, 1000, 4, 2, 128, False), (2, 1000, 1000, 4, 2, 128, True), (1, 77, 300, 4, 1, 128, True),
@@ -64,7 +66,7 @@ def check(tiles) -> int:
     ]
     for tile in tiles:
         for B, Sq, Sk, Hq, Hkv, D, causal in cases:
-            if tile[0] == "pws" and D != 128:  # the persistent experiment: D=128 (its 3 slots need 229 KB)
+            if D not in head_dims or tile[0] == "pws" and D != 128:  # pws: D=128 only (3 slots: 229 KB)
                 continue
             torch.manual_seed(0)
             q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
@@ -180,7 +182,7 @@ def main() -> int:
     p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
     tiles = [(t.split(":")[0], *(int(x) for x in t.split(":")[1].split(","))) for t in args.tiles]
-    failures = 0 if args.no_check else check(tiles)
+    failures = 0 if args.no_check else check(tiles, args.head_dims)
     bench(args.seqlens, args.head_dims, tiles)
     if args.varlen:
         bench_varlen(args.seqlens)

@@ -8,9 +8,11 @@ A program owns 128 keys of one kv head, in three partitions:
   once both consumers released it;
 - two consumer warpgroups of 64 keys each: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
   dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q, accumulated in registers.
-LSE_SMEM (off; an experiment, not yet measured): the producer also writes each query block's
-lse2 and delta to shared memory next to its Q / dO slot, which the consumers read after their
-products (72 / 128 bytes of spills per consumer thread become 32 / 80, plain / causal).
+The producer also writes each query block's lse2 and delta to shared memory next to its Q / dO
+slot, which the consumers read after their products: a load after an mbarrier wait cannot be
+hoisted above it, so they are not live during the products (spills per consumer thread 32 / 80
+bytes, plain / causal, from 72 / 128 when the consumers loaded them from global memory; that
+kernel was 3-5% slower on the H200, NOTES twelfth session).
 Deterministic (no atomics). dQ and delta (rowsum(dO * O)) stay with the Triton dQ kernel, which
 runs first: a Gluon dQ kernel of the same structure was measured at 0.91-1.03x it (NOTES,
 eleventh session).
@@ -51,7 +53,7 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
               Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, LSE_SMEM: gl.constexpr):
+              STAGES: gl.constexpr):
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     k_desc = tma.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [HALF, HEAD_DIM], layout)
     v_desc = tma.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [HALF, HEAD_DIM], layout)
@@ -69,16 +71,15 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
         for i in range(n_m):
             slot = t % STAGES
             row = (lo_blk + i) * BLOCK_M
-            if LSE_SMEM:  # the block's lse (exp2 domain) and delta: loaded before the wait, stored after it
-                vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
-                                                     warps_per_cta=[1], order=[0])
-                lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h,
-                                         row + gl.arange(0, BLOCK_M, layout=vec), Sq)
+            # the block's lse (exp2 domain) and delta: loaded before the wait, stored after it
+            vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
+                                                 warps_per_cta=[1], order=[0])
+            lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h,
+                                     row + gl.arange(0, BLOCK_M, layout=vec), Sq)
             mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            if LSE_SMEM:
-                rows_smem.index(2 * slot).store(lse2)
-                rows_smem.index(2 * slot + 1).store(delta)
-                gl.thread_barrier()  # every lane's stores before the one lane's arrival below
+            rows_smem.index(2 * slot).store(lse2)
+            rows_smem.index(2 * slot + 1).store(delta)
+            gl.thread_barrier()  # every lane's stores before the one lane's arrival below
             mbarrier.expect(ready_bars.index(slot), 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bars.index(slot), q_smem.index(slot))
             tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bars.index(slot), do_smem.index(slot))
@@ -91,18 +92,17 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
 
 @gluon.jit
 def _load_rows(p_lse, p_delta, offs, Sq):
-    """lse2 (exp2 domain) and delta of query rows ``offs`` (any layout). Rows past Sq or that saw no
-    key: lse2 = +inf, so their probabilities are exactly 0."""
+    """lse2 (exp2 domain) and delta of query rows ``offs``. Rows past Sq or that saw no key:
+    lse2 = +inf, so their probabilities are exactly 0."""
     ok = offs < Sq
     lse = gl.load(p_lse + offs, mask=ok, other=float("inf"))
     return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E), gl.load(p_delta + offs, mask=ok, other=0.0)
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, LSE, DELTA, stride_lse_h, off_hk, start_n, Sq, Sk,
-              GROUP, lo_blk, n_m, shift, qk_scale, sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars,
-              empty_bars, rows_smem, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, LSE_SMEM: gl.constexpr):
+def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+              sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = k_smem.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -119,10 +119,7 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, LSE, DELTA, stri
     v = v_smem.index(WG)
     mbarrier.wait(kv_bar, 0)
     t = 0
-    for g in range(GROUP):
-        h = off_hk * GROUP + g
-        p_lse = LSE + h * stride_lse_h
-        p_delta = DELTA + h * stride_lse_h
+    for _g in range(GROUP):  # each query head of the group
         for i in range(n_m):
             slot = t % STAGES
             offs_m = (lo_blk + i) * BLOCK_M + offs_mb
@@ -131,14 +128,10 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, LSE, DELTA, stri
             do = do_smem.index(slot)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            if LSE_SMEM:  # from the slot, after the products (short live ranges)
-                st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-                lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
-                delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
-            else:
-                # loaded while the products run (short live ranges: the consumers are at 240 registers)
-                lse2, delta = _load_rows(p_lse, p_delta, offs_m, Sq)
-                st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            # lse2 and delta from the slot, after the products (short live ranges)
+            lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
+            delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
             if CAUSAL:  # key j is seen by query i when j <= i + shift
                 if (lo_blk + i) * BLOCK_M + shift < key0 + HALF - 1:
                     seen = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0)
@@ -172,7 +165,7 @@ def _bwd_dkdv_ws_kernel(
     stride_lse_b, stride_lse_h,
     Hkv, GROUP, Sq, Sk, win_right, qk_scale, sm_scale,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr, LSE_SMEM: gl.constexpr = False,
+    num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -194,11 +187,9 @@ def _bwd_dkdv_ws_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
-    if LSE_SMEM:  # each slot's lse2 and delta rows, written by the producer
-        rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
-                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    else:  # (not read)
-        rows_smem = k_smem
+    # each slot's lse2 and delta rows, written by the producer
+    rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
+                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -217,16 +208,15 @@ def _bwd_dkdv_ws_kernel(
     lse_base = LSE + off_b * stride_lse_b
     delta_base = DELTA + off_b * stride_lse_b
     gl.warp_specialize([
-        (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, lse_base, delta_base, stride_lse_h, off_hk, start_n,
-                     Sq, Sk, GROUP, lo_blk, n_m, shift, qk_scale, sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                     ready_bars, empty_bars, rows_smem, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, LSE_SMEM)),
-        (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, lse_base, delta_base, stride_lse_h, off_hk, start_n,
-                     Sq, Sk, GROUP, lo_blk, n_m, shift, qk_scale, sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                     ready_bars, empty_bars, rows_smem, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, LSE_SMEM)),
+        (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
+                     HEAD_DIM, BLOCK_M, STAGES)),
+        (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
+                     HEAD_DIM, BLOCK_M, STAGES)),
         (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                      stride_doh, off_hk, start_n, Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                     ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem, HEAD_DIM, BLOCK_M, STAGES,
-                     LSE_SMEM)),
+                     ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem, HEAD_DIM, BLOCK_M, STAGES)),
     ], [4, 1], [240, 24])
 
 

@@ -17,6 +17,7 @@ interpreter.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -24,7 +25,8 @@ import triton
 ENABLED = True  # scripts/compile_check.py turns it off (it compiles without launching)
 _MAX_ENTRIES = 4096
 _cache: dict = {}
-_tail_names: dict = {}
+_tail_params: dict = {}
+_EMPTY = inspect.Parameter.empty
 
 
 def cdiv(a: int, b: int) -> int:
@@ -105,14 +107,25 @@ def _launch_here(fn, grid, args: tuple, kwargs: dict) -> None:
         kernel = fn[grid](*args, **kwargs)
         if hasattr(kernel, "result"):  # asynchronous compilation: keep the plain path
             return
-        names = _tail_names.get(fn)
-        if names is None:
-            names = _tail_names[fn] = tuple(fn.arg_names[len(args):])
         if len(_cache) >= _MAX_ENTRIES:
             _cache.clear()
-        _cache[key] = (kernel, tuple(kwargs[n] for n in names))
+        _cache[key] = (kernel, tail_values(fn, len(args), kwargs))
         return
     _run_here(kernel, grid, args, args[0].device.index)
+
+
+def tail_values(fn, n_args: int, kwargs: dict) -> tuple:
+    """The values of ``fn``'s parameters after its ``n_args`` runtime arguments (its constexprs), as
+    the C launcher takes them: from ``kwargs``, else the parameter's default (a constexpr the library
+    leaves at its default: without this a cached launch raised KeyError)."""
+    params = _tail_params.get(fn)
+    if params is None:
+        f = fn.fn
+        while not inspect.isfunction(f):  # a wrapper of a JITFunction: to the Python function
+            f = f.fn
+        tail = list(inspect.signature(f).parameters.values())[n_args:]
+        params = _tail_params[fn] = tuple((p.name, p.default) for p in tail)
+    return tuple(kwargs[name] if default is _EMPTY else kwargs.get(name, default) for name, default in params)
 
 
 def cached(fn, grid, args: tuple, kwargs: dict):
