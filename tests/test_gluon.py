@@ -226,7 +226,7 @@ def test_varlen_only_when_switched_on(gluon, monkeypatch):
 
 def test_varlen_launch(monkeypatch):
     """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded):
-    IS_VARLEN, a grid of the longest sequence's query blocks by batch x heads, the cu_seqlens
+    IS_VARLEN, a persistent grid (tiles: the longest sequence's query blocks by batch x heads), the cu_seqlens
     tensors and the packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
     from tritonattn.kernels import fwd_sm90, launch, plan
 
@@ -247,7 +247,9 @@ def test_varlen_launch(monkeypatch):
     assert lse.shape == (8, 3001)
     ((name, grid, args, kwargs),) = seen
     assert name == "_fwd_ws_kernel" and kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
-    assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value), 2 * 8), grid
+    # the persistent grid: one program per SM (4 for CPU tensors), at most one per tile; BH last
+    assert grid == (min(-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8, launch.sm_count(q.device)),), grid
+    assert args[-1] == 2 * 8
     assert args[5] is cu_q and args[6] is cu_k
     assert args[7:10] == (0, 8 * 128, 128) and args[19:21] == (0, 3001)  # q (batch, row, head), lse (batch, head)
     assert args[21:25] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences

@@ -174,7 +174,8 @@ GLUON_CASES = [
     (2, 1, 4096, 8, 2, 128, True, BF16),
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
-    (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward without a mask from 1024
+    (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward from 1024, without a mask and with one
+    (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, rows that see no key
     (1, 511, 511, 4, 1, 128, False, F16),  # neither
 ]
@@ -202,6 +203,26 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     assert torch.equal(out, again) and torch.equal(lse, lse2)
     for a, b in zip(grads, torch.autograd.grad(out, (q, k, v), dout), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_few_programs(causal, poison, monkeypatch):
+    """The Gluon forward's persistent grid on 7 programs (fwd_sm90.PROGRAMS), many tiles each, so
+    that ring slots, turns and Q buffers carry across tiles of different lengths (causal) and
+    heads: bitwise what one program per SM gives (a tile's arithmetic does not depend on the
+    program that runs it), and within the reference's tolerance."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
+    torch.manual_seed(13)
+    q, k, v = random_qkv(2, 1500, 1300, 6, 2, 128, BF16, DEVICE)
+    names = _launched(monkeypatch)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert "_fwd_ws_kernel" in names, names
+    monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", 7)
+    plan.clear()
+    few, lse_few, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert torch.equal(out, few) and torch.equal(lse, lse_few)
+    check_against_reference(q, k, v, few, lse_few, None, None, causal)
 
 
 def test_gluon_dkdv_into_gradient_views(poison, monkeypatch):
@@ -384,18 +405,21 @@ def test_varlen_on_gpu(causal, poison):
     check_varlen_against_reference(*qkv, out, lse, grads, dout, cu, causal)
 
 
+@pytest.mark.parametrize("programs", [None, 5], ids=["per-SM", "5-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_varlen(causal, poison, monkeypatch):
-    """The Gluon forward's variable-length path (fwd.GLUON_VARLEN, off by default until this test
-    and a measurement pass on the H200): taken, each sequence within the reference's tolerance
-    (out, lse, and the gradients the Triton backward computes from its lse), Sq != Sk both ways, a
-    sequence with queries and no key (out 0, lse -inf), one with keys and no query, one query; and
-    bitwise what the sequence's own dense call gives where that call takes the Gluon forward too."""
+def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
+    """The Gluon forward's variable-length path (fwd.GLUON_VARLEN), on one program per SM and on 5
+    (many tiles each, tiles past a sequence skipped by every partition): taken, each sequence
+    within the reference's tolerance (out, lse, and the gradients the Triton backward computes
+    from its lse), Sq != Sk both ways, a sequence with queries and no key (out 0, lse -inf), one
+    with keys and no query, one query; and bitwise what the sequence's own dense call gives where
+    that call takes the Gluon forward too."""
     from tritonattn import flash_attn_varlen_func
 
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
     lens_q, lens_k = [2100, 5, 3000, 0, 1, 1300], [2100, 0, 2999, 7, 4096, 2500]
     torch.manual_seed(11)
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)

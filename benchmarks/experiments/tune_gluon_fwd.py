@@ -1,8 +1,8 @@
-"""The Gluon sm_90 forward (tritonattn/kernels/fwd_sm90.py: warp-specialized, ping-pong) against the
-library's Triton forward and cuDNN, on the H200, by tile (ws:BLOCK_N,STAGES), and the persistent-grid
-experiment (gluon_fwd_persistent.py beside this; pws:BLOCK_N,STAGES,Q_BUFS). The first Gluon
-tries that lost (intra-warpgroup overlap, lazy rescaling; benchmarks/NOTES.md, tenth session) are
-in git at 57d25c1 (benchmarks/experiments/gluon_fwd_sm90.py).
+"""The Gluon sm_90 forward (tritonattn/kernels/fwd_sm90.py: persistent, warp-specialized, ping-pong)
+against the library's Triton forward and cuDNN, on the H200, by tile (BLOCK_N,STAGES,Q_BUFS). The
+first Gluon tries that lost (intra-warpgroup overlap, lazy rescaling; benchmarks/NOTES.md, tenth
+session) are in git at 57d25c1 (benchmarks/experiments/gluon_fwd_sm90.py); the kernel before it
+became persistent (one program per tile) at 9f458fb.
 
 First checks it on odd shapes against the fp64 reference (the tolerance rule of the tests), then
 times tiles of it beside the library's default forward and SDPA's cuDNN backend, each as the
@@ -10,7 +10,7 @@ median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (H
 16k tokens per batch, bf16.
 
     python benchmarks/experiments/tune_gluon_fwd.py [--seqlens 2048 8192] [--head-dims 64 128] \
-        [--tiles ws:128,3 pws:128,3,1 pws:128,2,2]
+        [--tiles 128,3,1 128,2,2] [--varlen]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import gluon_fwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -33,24 +32,18 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0, programs=None):
-    """tile: ("ws", BLOCK_N, stages) of the library's warp-specialized ping-pong kernel
-    (tritonattn/kernels/fwd_sm90.py)."""
+    """tile: (BLOCK_N, STAGES, Q_BUFS) of the library's Gluon forward (tritonattn/kernels/fwd_sm90.py),
+    on one program per SM or on ``programs``."""
     B, Sq, Hq, D = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device=q.device)
     fwd._need_allocator()
-    kind, bn, stages, *q_bufs = tile
+    bn, stages, q_bufs = tile
     tiles = triton.cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq
-    if kind == "pws":  # one program per SM (at most one per tile), or ``programs``
-        programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
-        gluon_fwd_persistent._fwd_persistent_kernel[(min(tiles, programs),)](
-            *gluon_fwd_persistent.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal,
-            HEAD_DIM=D, BLOCK_N=bn, STAGES=stages, Q_BUFS=q_bufs[0], num_warps=fwd_sm90.NUM_WARPS,
-            maxnreg=fwd_sm90.MAXNREG)
-        return out, lse
-    fwd_sm90._fwd_ws_kernel[(triton.cdiv(Sq, fwd_sm90.BLOCK_M.value), B * Hq)](
+    programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
+    fwd_sm90._fwd_ws_kernel[(min(tiles, programs),)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
-        BLOCK_N=bn, STAGES=stages, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
+        BLOCK_N=bn, STAGES=stages, Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
     return out, lse
 
 
@@ -66,25 +59,27 @@ def check(tiles, head_dims) -> int:
     ]
     for tile in tiles:
         for B, Sq, Sk, Hq, Hkv, D, causal in cases:
-            if D not in head_dims or tile[0] == "pws" and D != 128:  # pws: D=128 only (3 slots: 229 KB)
+            if D not in head_dims:
                 continue
             torch.manual_seed(0)
             q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
-            # the persistent kernel on 5 programs: many tiles each (ring, turns and Q buffers
-            # counted across tiles), which 132 SMs give only the largest case
-            out, lse = run(q, k, v, causal, tile, programs=5 if tile[0] == "pws" else None)
             ref, ref_lse = attention_ref(q, k, v, causal=causal)
             same, same_lse = attention_ref(q, k, v, causal=causal, upcast=False)
-            label = f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}-D{D}{'-causal' if causal else ''}"
-            try:
-                check_close("out", out, ref, same, 2)
-                check_close("lse", lse, ref_lse, same_lse, 2)
-                print("ok  ", label, flush=True)
-            except AssertionError as e:
-                failures += 1
-                print("FAIL", label, e, flush=True)
+            # one program per SM (132 give only the largest case several tiles each), and 5 programs:
+            # many tiles each (ring, turns and Q buffers counted across tiles)
+            for programs in (None, 5):
+                out, lse = run(q, k, v, causal, tile, programs=programs)
+                label = (f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}-D{D}{'-causal' if causal else ''}"
+                         f" programs={programs or 'SMs'}")
+                try:
+                    check_close("out", out, ref, same, 2)
+                    check_close("lse", lse, ref_lse, same_lse, 2)
+                    print("ok  ", label, flush=True)
+                except AssertionError as e:
+                    failures += 1
+                    print("FAIL", label, e, flush=True)
     return failures
 
 
@@ -127,8 +122,6 @@ def bench(seqlens, head_dims, tiles) -> None:
                 finally:
                     fwd.GLUON = gluon_default
                 for tile in tiles:
-                    if tile[0] == "pws" and D != 128:  # (as check: the experiment is for D=128)
-                        continue
                     try:
                         times[f"gluon {tile}"] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
                     except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
@@ -176,12 +169,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tiles", nargs="+", default=["ws:128,3", "pws:128,3,1", "pws:128,2,2"],
-                   help="ws:BLOCK_N,STAGES (the library's kernel) or pws:BLOCK_N,STAGES,Q_BUFS (persistent)")
+    p.add_argument("--tiles", nargs="+", default=["128,3,1"], help="BLOCK_N,STAGES,Q_BUFS")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
-    tiles = [(t.split(":")[0], *(int(x) for x in t.split(":")[1].split(","))) for t in args.tiles]
+    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dims)
     bench(args.seqlens, args.head_dims, tiles)
     if args.varlen:

@@ -35,13 +35,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonattn.kernels.common import LN2
+from tritonattn.kernels.launch import sm_count
 
 # 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots),
 # measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
 # of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. Not D=64 (1.01x the Triton kernel)
 # nor D=256 (64-key blocks and 2 slots, all that fit without spilling: 0.98-1.00x)
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
-TILES = {128: (128, 3)}
+TILES = {128: (128, 3, 1)}
+PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
@@ -69,23 +71,95 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, start_m,
-              n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads: Q's two 64-row halves once, then K / V block j into slot j % STAGES once both
-    consumers released the block that was there (block 0 always: the consumers read it even
-    when no key is visible)."""
-    HALF: gl.constexpr = q_smem.type.shape[1]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bar, q_smem.index(1))
-    for j in range(0, gl.maximum(n_blocks, 1)):
-        slot = j % STAGES
-        # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
-        mbarrier.wait(empty_bars.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+def _tile(t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr,
+          BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Tile t (128 query rows of one sequence and query head): its first row, batch, head, kv head,
+    first query and key token (0 but for IS_VARLEN), query and key lengths, causal shift, key
+    blocks and unmasked key blocks. Causal: the query blocks with the most keys first, all heads
+    of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the packed tensors and
+    Sq / Sk are the longest (a tile past its sequence's queries is skipped by every partition)."""
+    if CAUSAL:
+        pid_m = n_m - 1 - t // BH
+        bh = t % BH
+    else:
+        pid_m = t % n_m
+        bh = t // n_m
+    off_b = (bh // Hq).to(gl.int64)
+    off_h = (bh % Hq).to(gl.int64)
+    start_m = pid_m * BLOCK_M
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = gl.load(CU_Q + off_b).to(gl.int64)
+        k_start = gl.load(CU_K + off_b).to(gl.int64)
+        Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
+        Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
+        causal_shift = Sk - Sq + win_right
+    hi = Sk
+    full_hi = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_shift, 0), Sk)
+        full_hi = gl.minimum(gl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
+    return (start_m, off_b, off_h, off_h // GROUP, q_start, k_start, Sq, Sk, causal_shift, gl.cdiv(hi, BLOCK_N),
+            full_hi // BLOCK_N)
+
+
+@gluon.jit
+def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m, BH, Hq,
+              GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """TMA loads, tile after tile: K / V block j into ring slot (J + j) % STAGES once both consumers
+    released the block that was there (block 0 always: the consumers read it even when no key is
+    visible), and the tile's Q (two 64-row halves) after its first K block, into a Q buffer both
+    consumers are done with. Runs into the next tile while the consumers finish this one."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    J = 0  # K / V blocks loaded so far (all tiles)
+    i = 0  # this program's tiles so far
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
+            t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+        live = True
+        k_rows = sk
+        if IS_VARLEN:
+            live = start_m < sq
+            # a sequence with no key: a one-row descriptor at the tensor's start (every key is masked)
+            k_rows = gl.maximum(sk, 1)
+            if sk == 0:
+                k_start = k_start * 0
+        if live:
+            if i > 0:  # the last tile's loads have landed: the descriptors' scratch can be rewritten
+                mbarrier.wait(q_bars.index((i - 1) % Q_BUFS), ((i - 1) // Q_BUFS) & 1)
+                for s in gl.static_range(STAGES):
+                    back = gl.maximum(J - 1 - s, 0)
+                    mbarrier.wait(k_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
+                    mbarrier.wait(v_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
+            q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
+                                                [sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], layout)
+            k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
+                                                [k_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], layout)
+            v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh,
+                                                [k_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], layout)
+            nb = gl.maximum(n_blocks, 1)
+            for j in range(0, nb):
+                jj = J + j
+                slot = jj % STAGES
+                # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
+                mbarrier.wait(empty_bars.index(slot), ((jj // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+                if j == 0:  # Q after the first K block: its buffer frees up last
+                    qb = i % Q_BUFS
+                    mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
+                    mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bars.index(qb), q_smem.index(2 * qb))
+                    tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bars.index(qb),
+                                                    q_smem.index(2 * qb + 1))
+                mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+            J += nb
+            i += 1
 
 
 @gluon.jit
@@ -117,62 +191,84 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, O, LSE, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
-              turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Query rows [start_m + 64 WG, + 64) of the program over every key block, then their output."""
-    HALF: gl.constexpr = q_smem.type.shape[1]
+def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
+              v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
+              causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
+    then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
+    HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row0 = start_m + WG * HALF
-    offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-    q = q_smem.index(WG)
+    J = 0  # K / V blocks consumed so far (all tiles)
+    T = 0  # turns taken so far
+    i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
+            t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+        live = True
+        if IS_VARLEN:
+            live = start_m < sq
+        if live:
+            row0 = start_m + WG * HALF
+            offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+            m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            qb = i % Q_BUFS
+            q = q_smem.index(2 * qb + WG)
 
-    # block 0 (always, masked)
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    mbarrier.wait(turn_bars.index(WG), 1 - WG)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn_bars.index(1 - WG))
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, Sk, causal_shift, qk_scale, True, CAUSAL)
-    p = gl.convert_layout(p32.to(dtype), p_layout)
+            # block 0 (always, masked)
+            mbarrier.wait(q_bars.index(qb), (i // Q_BUFS) & 1)
+            mbarrier.wait(k_bars.index(J % STAGES), (J // STAGES) & 1)
+            mbarrier.wait(turn_bars.index(WG), (T & 1) ^ (1 - WG))
+            s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.arrive(turn_bars.index(1 - WG))
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
+            p = gl.convert_layout(p32.to(dtype), p_layout)
 
-    acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), 0, 0, WG, q, k_smem, v_smem, k_bars, v_bars,
-                                       empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
-                                       causal_shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-    acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, 0, 0, WG, q, k_smem, v_smem, k_bars, v_bars,
-                                       empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk,
-                                       causal_shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout, p_layout)
-    # the last block's P V, in turn
-    last = gl.maximum(n_blocks, 1) - 1
-    mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-    turns = gl.maximum(n_blocks, 1)
-    mbarrier.wait(turn_bars.index(WG), (turns & 1) ^ (1 - WG))
-    acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-    mbarrier.arrive(turn_bars.index(1 - WG))
-    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
+                                               v_bars, empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
+                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout,
+                                               p_layout)
+            acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
+                                               v_bars, empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
+                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout,
+                                               p_layout)
+            # every S of the tile is done: its Q buffer can take a later tile's Q
+            mbarrier.arrive(q_empty.index(qb))
+            # the last block's P V, in turn
+            nb = gl.maximum(n_blocks, 1)
+            last = J + nb - 1
+            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+            mbarrier.wait(turn_bars.index(WG), ((T + nb) & 1) ^ (1 - WG))
+            acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+            mbarrier.arrive(turn_bars.index(1 - WG))
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            mbarrier.arrive(empty_bars.index(last % STAGES))
 
-    # rows that saw no key: output 0, lse -inf
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    gl.store(LSE + offs_m, lse, mask=offs_m < Sq)
-    inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-    out = (acc * gl.expand_dims(inv, 1)).to(dtype)
-    o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    p_o = O + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0)
-    gl.store(p_o, out, mask=gl.expand_dims(o_rows < Sq, 1))
+            # rows that saw no key: output 0, lse -inf
+            seen = l_i > 0.0
+            l_safe = gl.where(seen, l_i, 1.0)
+            lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+            gl.store(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse, mask=offs_m < sq)
+            inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+            out = (acc * gl.expand_dims(inv, 1)).to(dtype)
+            o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
+                   + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
+            gl.store(p_o, out, mask=gl.expand_dims(o_rows < sq, 1))
+            J += nb
+            T += nb + 1
+            i += 1
 
 
 @gluon.jit
@@ -183,56 +279,30 @@ def _fwd_ws_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
-    Hq, GROUP, Sq, Sk, win_right, qk_scale,
+    Hq, GROUP, Sq, Sk, win_right, qk_scale, BH,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
+    Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    n_m = gl.cdiv(Sq, BLOCK_M)
+    n_tiles = n_m * BH
+    causal_shift = Sk - Sq + win_right  # (IS_VARLEN: per sequence, in _tile)
 
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    if CAUSAL:  # the last query blocks have the most keys: launch them first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    off_b = (bh // Hq).to(gl.int64)
-    off_h = (bh % Hq).to(gl.int64)
-    off_hk = off_h // GROUP
-    start_m = pid_m * BLOCK_M
-    # variable length (IS_VARLEN): sequence off_b is rows [cu[b], cu[b + 1]) of the packed (total, H, D)
-    # tensors (batch strides 0), Sq / Sk the longest; lse (Hq, total_q) with a batch stride of 0
-    q_start = 0
-    k_start = 0
-    k_rows = Sk
-    if IS_VARLEN:
-        q_start = gl.load(CU_Q + off_b).to(gl.int64)
-        k_start = gl.load(CU_K + off_b).to(gl.int64)
-        Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
-        Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
-        if start_m >= Sq:  # past this sequence's queries
-            return
-        # a sequence with no key: a one-row descriptor at the tensor's start (every key is masked)
-        k_rows = gl.maximum(Sk, 1)
-        if Sk == 0:
-            k_start = k_start * 0
-
-    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
-                                        [Sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], tile_layout)
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
-                                        [k_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], tile_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh,
-                                        [k_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], tile_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, HALF, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(Q_BUFS):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers are done with the buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
@@ -241,27 +311,25 @@ def _fwd_ws_kernel(
         mbarrier.init(turn_bars.index(i), count=1)
     fence_async_shared()
 
-    causal_shift = Sk - Sq + win_right
-    hi = Sk
-    full_hi = Sk // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_shift, 0), Sk)
-        full_hi = gl.minimum(gl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    n_full = full_hi // BLOCK_N
-
-    o_base = O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
-    lse_base = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start
     gl.warp_specialize([
-        (_consumer, (0, o_base, lse_base, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
-                     turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES)),
-        (_consumer, (1, o_base, lse_base, stride_om, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
-                     turn_bars, start_m, Sq, Sk, causal_shift, qk_scale, n_blocks, n_full, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, start_m,
-                     n_blocks, BLOCK_N, STAGES)),
+        (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
+                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
+                     causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
+                     IS_VARLEN)),
+        (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
+                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
+                     causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
+                     IS_VARLEN)),
+        (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                     stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m,
+                     BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                     Q_BUFS, IS_VARLEN)),
     ], [4, 1], [240, 24])
+
+
+def grid(q, n_tiles: int) -> tuple[int]:
+    """One program per SM (``PROGRAMS`` when set: tests run many tiles per program), at most one per tile."""
+    return (min(n_tiles, PROGRAMS or sm_count(q.device)),)
 
 
 def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None) -> tuple:
@@ -269,11 +337,14 @@ def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=N
     with unit dim stride, lse (B, Hq, Sq) contiguous; ``win_right``: query i sees keys
     j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
-    ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q)."""
+    ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q).
+    The last argument, B x Hq, with the longest query length gives the number of tiles."""
     if cu_seqlens is None:
         hq, hkv = q.shape[2], k.shape[2]
         return (q, k, v, out, lse, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale)
+                lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale,
+                q.shape[0] * hq)
     hq, hkv = q.shape[1], k.shape[1]
     return (q, k, v, out, lse, *cu_seqlens, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
-            0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale)
+            0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale,
+            (cu_seqlens[0].shape[0] - 1) * hq)
