@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             # compile the Triton kernels)
             stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
             stack.enter_context(mock.patch.object(bwd, "_on_sm90", lambda q: gluon))
-            # and the Gluon forward's varlen path (off by default: fwd.GLUON_VARLEN)
+            # and the Gluon forward's varlen path (fwd.GLUON_VARLEN, on by default)
             stack.enter_context(mock.patch.object(fwd, "GLUON_VARLEN", gluon))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))

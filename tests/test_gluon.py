@@ -96,7 +96,8 @@ def test_refuses(gluon, monkeypatch, case):
         var.mask, var.mask_kind = torch.ones(2, 2048, dtype=torch.uint8), MASK_KEYS
     elif case == "dropout":
         var.dropout_p = 0.1
-    elif case == "varlen":
+    elif case == "varlen":  # the dK/dV kernel never; the forward with its varlen switch off
+        monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
         var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 2048, 4096], dtype=torch.int32)
         var.max_seqlen_q = var.max_seqlen_k = 2048
         q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
@@ -210,13 +211,16 @@ def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeyp
     assert not gluon(*qkv(B=2, Hq=8, Hkv=2))
 
 
-def test_varlen_only_when_switched_on(gluon, monkeypatch):
-    """Packed variable-length calls take the Gluon forward only with fwd.GLUON_VARLEN (off by default
-    until measured on the H200), judged by their longest sequences; never the Gluon dK/dV kernel."""
+def test_varlen_with_its_switch(gluon, monkeypatch):
+    """Packed variable-length calls take the Gluon forward only with fwd.GLUON_VARLEN (on by default;
+    TRITONATTN_FWD_GLUON_VARLEN=0 turns it off), judged by their longest sequences; never the Gluon
+    dK/dV kernel."""
     var = Variants(softmax_scale=SCALE, win_right=0)
     var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 100, 2148], dtype=torch.int32)
     var.max_seqlen_q = var.max_seqlen_k = 2048
     q, k, v = (t.reshape(-1, *t.shape[2:])[:2148] for t in qkv())
+    assert fwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
     assert not gluon(q, k, v, var)
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
     assert gluon(q, k, v, var) == (gluon.mode == "fwd")
@@ -253,3 +257,20 @@ def test_varlen_launch(monkeypatch):
     assert args[5] is cu_q and args[6] is cu_k
     assert args[7:10] == (0, 8 * 128, 128) and args[19:21] == (0, 3001)  # q (batch, row, head), lse (batch, head)
     assert args[21:25] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences
+
+
+def test_causal_section_heads():
+    """The Gluon forward's causal order takes heads in sections whose K and V fill half of L2 (50 MiB
+    for CPU tensors): whole GQA groups, at least one, at most every head; HEADS_PER_SECTION overrides."""
+    from tritonattn.kernels import fwd_sm90
+
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    assert fwd_sm90.section_heads(128, 4, 16384, q) == 12  # 8 MiB of K / V per kv head: 3 kv heads
+    assert fwd_sm90.section_heads(128, 4, 4096, q) == 48
+    assert fwd_sm90.section_heads(128, 4, 1024, q) == 128  # all fit
+    assert fwd_sm90.section_heads(8, 8, 1 << 20, q) == 8  # one group, even when it does not fit
+    fwd_sm90.HEADS_PER_SECTION = 5
+    try:
+        assert fwd_sm90.section_heads(128, 4, 16384, q) == 5 and fwd_sm90.section_heads(3, 1, 64, q) == 3
+    finally:
+        fwd_sm90.HEADS_PER_SECTION = None

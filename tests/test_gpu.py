@@ -205,12 +205,14 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_few_programs(causal, poison, monkeypatch):
+@pytest.mark.parametrize("causal,section", [(False, None), (True, None), (True, 5)],
+                         ids=["full", "causal", "causal-sections-of-5"])
+def test_gluon_forward_few_programs(causal, section, poison, monkeypatch):
     """The Gluon forward's persistent grid on 7 programs (fwd_sm90.PROGRAMS), many tiles each, so
     that ring slots, turns and Q buffers carry across tiles of different lengths (causal) and
-    heads: bitwise what one program per SM gives (a tile's arithmetic does not depend on the
-    program that runs it), and within the reference's tolerance."""
+    heads; causal, also in sections of 5 of the 12 heads (the last one of 2): bitwise what one
+    program per SM gives in the default order (a tile's arithmetic does not depend on the program
+    that runs it nor on when), and within the reference's tolerance."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     torch.manual_seed(13)
@@ -219,6 +221,7 @@ def test_gluon_forward_few_programs(causal, poison, monkeypatch):
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert "_fwd_ws_kernel" in names, names
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", 7)
+    monkeypatch.setattr(fwd.fwd_sm90, "HEADS_PER_SECTION", section)
     plan.clear()
     few, lse_few, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert torch.equal(out, few) and torch.equal(lse, lse_few)
@@ -285,7 +288,8 @@ def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch):
 
 def test_gluon_forward_not_taken(monkeypatch):
     """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64, a
-    window's left edge, ALiBi, varlen, forced tiles, and TRITONATTN_BATCH_INVARIANT."""
+    window's left edge, ALiBi, forced tiles, and TRITONATTN_BATCH_INVARIANT; a varlen call's dK/dV,
+    and its forward with TRITONATTN_FWD_GLUON_VARLEN=0."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("off sm_90 no call takes the Gluon kernels (tests/test_gluon.py)")
     torch.manual_seed(0)
@@ -296,8 +300,8 @@ def test_gluon_forward_not_taken(monkeypatch):
         lambda: flash_attn_func(q64, k64, v64, causal=True),
         lambda: flash_attn_func(q, k, v, window_size=(100, 0)),
         lambda: flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.rand(4, device=DEVICE)),
-        lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 2048, 2048, causal=True),
     ]
+    varlen = lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 2048, 2048, causal=True)  # noqa: E731
 
     def forward_and_backward(call) -> list:
         names = _launched(monkeypatch)
@@ -313,6 +317,11 @@ def test_gluon_forward_not_taken(monkeypatch):
         names = forward_and_backward(call)
         assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
         assert "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
+    names = forward_and_backward(varlen)
+    assert "_fwd_ws_kernel" in names and "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
+    names = forward_and_backward(varlen)
+    assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
     with configs.override(fwd=configs.forward_config(q, True), bwd_dkdv=configs.backward_dkdv_config(q, True)):
         names = forward_and_backward(lambda: flash_attn_func(q, k, v, causal=True))
         assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names
@@ -843,7 +852,8 @@ def test_tensors_on_a_device_that_is_not_current():
 def test_heads_first_order_on_gpu(monkeypatch, poison):
     """Heads-first program order (configs.HEADS_FIRST) at the table's causal configs, bf16 GQA:
     bitwise the default order's outputs and gradients, and within the reference's tolerance. (The
-    Triton dK/dV kernel's order: the Gluon one, which would serve this call, has one order.)"""
+    Triton kernels' order: the Gluon ones, which would serve this call, have their own.)"""
+    monkeypatch.setattr(fwd, "GLUON", False)
     monkeypatch.setattr(bwd, "GLUON", False)
     torch.manual_seed(11)
     q, k, v = random_qkv(2, 1500, 1700, 8, 2, 128, BF16, DEVICE)

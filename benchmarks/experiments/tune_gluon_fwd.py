@@ -68,11 +68,16 @@ def check(tiles, head_dims) -> int:
             ref, ref_lse = attention_ref(q, k, v, causal=causal)
             same, same_lse = attention_ref(q, k, v, causal=causal, upcast=False)
             # one program per SM (132 give only the largest case several tiles each), and 5 programs:
-            # many tiles each (ring, turns and Q buffers counted across tiles)
-            for programs in (None, 5):
-                out, lse = run(q, k, v, causal, tile, programs=programs)
+            # many tiles each (ring, turns and Q buffers counted across tiles); causal, also sections
+            # of 2 heads (the last one narrower when the heads are odd)
+            for programs, sec in ((None, None), (5, None), (5, 2)):
+                fwd_sm90.HEADS_PER_SECTION = sec
+                try:
+                    out, lse = run(q, k, v, causal, tile, programs=programs)
+                finally:
+                    fwd_sm90.HEADS_PER_SECTION = None
                 label = (f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}-D{D}{'-causal' if causal else ''}"
-                         f" programs={programs or 'SMs'}")
+                         f" programs={programs or 'SMs'} section={sec or 'rule'}")
                 try:
                     check_close("out", out, ref, same, 2)
                     check_close("lse", lse, ref_lse, same_lse, 2)
@@ -92,7 +97,7 @@ def graph_time(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
 
 
-def bench(seqlens, head_dims, tiles) -> None:
+def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
     gluon_default = fwd.GLUON
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -102,7 +107,7 @@ def bench(seqlens, head_dims, tiles) -> None:
     for D in head_dims:
         Hq, Hkv = (32, 8) if D == 128 else (2048 // D, 2048 // D // 4)
         for S in seqlens:
-            B = max(1, 16384 // S)
+            B = max(1, tokens // S)
             for causal in (False, True):
                 q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
                 k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -121,11 +126,16 @@ def bench(seqlens, head_dims, tiles) -> None:
                     times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
                 finally:
                     fwd.GLUON = gluon_default
-                for tile in tiles:
+                for tile, sec in [(t, None) for t in tiles] + [(tiles[0], n) for n in sections if causal]:
+                    rule = fwd_sm90.section_heads(B * Hq, Hq // Hkv, S, q)
+                    fwd_sm90.HEADS_PER_SECTION = sec
+                    name = f"gluon {tile}" + (f" section {rule if sec is None else sec}" if causal else "")
                     try:
-                        times[f"gluon {tile}"] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
+                        times[name] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
                     except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
                         print(f"| {D} | {S} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} | | | |")
+                    finally:
+                        fwd_sm90.HEADS_PER_SECTION = None
                 for name, ms in times.items():
                     print(f"| {D} | {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
@@ -170,12 +180,15 @@ def main() -> int:
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     p.add_argument("--tiles", nargs="+", default=["128,3,1"], help="BLOCK_N,STAGES,Q_BUFS")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
+    p.add_argument("--sections", type=int, nargs="*", default=[],
+                   help="causal: also time the first tile with these heads per section (fwd_sm90.HEADS_PER_SECTION)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dims)
-    bench(args.seqlens, args.head_dims, tiles)
+    bench(args.seqlens, args.head_dims, tiles, args.tokens, args.sections)
     if args.varlen:
         bench_varlen(args.seqlens)
     return 1 if failures else 0

@@ -238,10 +238,11 @@ WS = configs.env_flag("TRITONATTN_FWD_WS")
 # turns it off, =1 turns it on with other Triton versions.
 _GLUON_ENV = configs.env_flag("TRITONATTN_FWD_GLUON", default=None)
 GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUON_ENV is None else _GLUON_ENV)
-# Variable-length calls through the Gluon forward (its IS_VARLEN path: per-sequence descriptors from
-# cu_seqlens). Off until measured and tested on the H200 (written in the eleventh session without
-# device time); TRITONATTN_FWD_GLUON_VARLEN=1 turns it on.
-GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN")
+# Variable-length calls through the Gluon forward too (its IS_VARLEN path: per-sequence descriptors
+# from cu_seqlens, tiles past a sequence skipped): 1.00-1.24x the Triton varlen forward on the H200
+# (twelfth session), and a sequence gets bitwise what its own dense call gives where both take the
+# Gluon forward. On wherever the Gluon forward is; TRITONATTN_FWD_GLUON_VARLEN=0 turns it off.
+GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
 
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:

@@ -2,10 +2,12 @@
 produce from ``tl`` code (benchmarks/NOTES.md, tenth session).
 
 Gluon (``triton.experimental.gluon``, shipped with Triton) makes the warpgroup MMAs, their waits,
-the TMA loads, mbarriers and warp specialization explicit. A program owns 128 query rows and runs
-three partitions:
-- a producer warp: the TMA loads of Q (once) and of K / V into a ring of STAGES slots, each slot
-  refilled once both consumers have released it (an mbarrier with two arrivals);
+the TMA loads, mbarriers and warp specialization explicit. The grid is persistent: one program per
+SM walks tiles t = pid, pid + P, ... (a tile: 128 query rows of one head; order in _tile), and
+runs three partitions:
+- a producer warp: the TMA loads of each tile's Q and of its K / V blocks into a ring of STAGES
+  slots, each slot refilled once both consumers have released it (an mbarrier with two
+  arrivals); it runs into the next tile while the consumers finish the current one;
 - two consumer warpgroups (the default partition and a worker) of 64 query rows each, over the
   same key blocks. They take turns on the tensor cores ("ping-pong"): a consumer waits for its
   turn, issues S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products
@@ -14,10 +16,11 @@ No CTA-wide barrier in the loop: partitions talk only through mbarriers.
 
 Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dims in TILES,
 dense calls with no variant but a causal mask or a window's right edge, K / V / Q readable through
-tensor descriptors. On the H200 it took the llama forward from 0.79-0.87x cuDNN (the Triton
-kernel) to 0.95-1.00x at S=8192-16384. Every other call takes ``fwd._fwd_kernel``. IS_VARLEN
-(packed sequences through descriptors built from ``cu_seqlens``) is taken only with
-``fwd.GLUON_VARLEN`` (TRITONATTN_FWD_GLUON_VARLEN=1): not yet run on a GPU. The interpreter
+tensor descriptors, and packed variable-length calls (IS_VARLEN: descriptors built per sequence
+from ``cu_seqlens``, tiles past a sequence skipped; ``fwd.GLUON_VARLEN``). On the H200 (llama
+shape, graph replays) it runs 1.32-1.40x the Triton kernel at S=512-1024 without a mask and
+1.09-1.23x from 2048 (benchmarks/NOTES.md, twelfth session); one program per tile, it had been
+0.86x at S=1024 causal. Every other call takes ``fwd._fwd_kernel``. The interpreter
 cannot run Gluon: the CPU tier compiles this kernel for sm_90 (tests/test_compile_sm90.py) and
 tests the eligibility rule; the GPU tier tests its results.
 """
@@ -35,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonattn.kernels.common import LN2
-from tritonattn.kernels.launch import sm_count
+from tritonattn.kernels.launch import l2_bytes, sm_count
 
 # 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots),
 # measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
@@ -44,6 +47,7 @@ from tritonattn.kernels.launch import sm_count
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {128: (128, 3, 1)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
+HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
@@ -71,16 +75,22 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 
 
 @gluon.jit
-def _tile(t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr,
+def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr,
           BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Tile t (128 query rows of one sequence and query head): its first row, batch, head, kv head,
     first query and key token (0 but for IS_VARLEN), query and key lengths, causal shift, key
-    blocks and unmasked key blocks. Causal: the query blocks with the most keys first, all heads
-    of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the packed tensors and
-    Sq / Sk are the longest (a tile past its sequence's queries is skipped by every partition)."""
+    blocks and unmasked key blocks. Without a mask: a head's query blocks one after the other.
+    Causal: SEC heads at a time (a section: heads whose K / V fit in L2 together, so that the
+    programs running at once share them), in each the query blocks with the most keys first, all
+    the section's heads of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of
+    the packed tensors and Sq / Sk are the longest (a tile past its sequence's queries is skipped
+    by every partition)."""
     if CAUSAL:
-        pid_m = n_m - 1 - t // BH
-        bh = t % BH
+        first = t // (n_m * SEC) * SEC  # the section's first head
+        r = t % (n_m * SEC)
+        width = gl.minimum(SEC, BH - first)  # (the last section may hold fewer heads)
+        pid_m = n_m - 1 - r // width
+        bh = first + r % width
     else:
         pid_m = t % n_m
         bh = t // n_m
@@ -106,8 +116,8 @@ def _tile(t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CA
 
 @gluon.jit
 def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m, BH, Hq,
-              GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m, BH, SEC,
+              Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
     """TMA loads, tile after tile: K / V block j into ring slot (J + j) % STAGES once both consumers
     released the block that was there (block 0 always: the consumers read it even when no key is
@@ -119,7 +129,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
         live = True
         k_rows = sk
         if IS_VARLEN:
@@ -192,8 +202,8 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
-              v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
-              causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq,
+              Sk, causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
@@ -211,7 +221,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
     i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
         live = True
         if IS_VARLEN:
             live = start_m < sq
@@ -279,7 +289,7 @@ def _fwd_ws_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
-    Hq, GROUP, Sq, Sk, win_right, qk_scale, BH,
+    Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
 ):
@@ -313,16 +323,16 @@ def _fwd_ws_kernel(
 
     gl.warp_specialize([
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
+                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
                      causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
                      IS_VARLEN)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, Hq, GROUP, Sq, Sk,
+                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
                      causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
                      IS_VARLEN)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m,
-                     BH, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                     BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
                      Q_BUFS, IS_VARLEN)),
     ], [4, 1], [240, 24])
 
@@ -332,19 +342,33 @@ def grid(q, n_tiles: int) -> tuple[int]:
     return (min(n_tiles, PROGRAMS or sm_count(q.device)),)
 
 
+def section_heads(bh: int, group: int, keys: int, q) -> int:
+    """Heads per section of the causal order (see _tile): the query heads of as many kv heads as
+    fill half of L2 with their K and V (``keys`` keys each), whole groups, at least one group;
+    ``HEADS_PER_SECTION`` when set. (A section of all ``bh`` heads is the order by query block
+    alone: at S=16384, B=4, its programs shared little K / V, 8% below one program per tile.)"""
+    if HEADS_PER_SECTION:
+        return min(HEADS_PER_SECTION, bh)
+    kv_heads = l2_bytes(q.device) // 2 // max(1, 2 * keys * q.shape[-1] * q.element_size())
+    return min(bh, max(1, kv_heads) * group)
+
+
 def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None) -> tuple:
     """Runtime arguments of :func:`_fwd_ws_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
     with unit dim stride, lse (B, Hq, Sq) contiguous; ``win_right``: query i sees keys
     j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
     ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q).
-    The last argument, B x Hq, with the longest query length gives the number of tiles."""
+    Then B x Hq (with the longest query length, the number of tiles) and the causal order's heads
+    per section (:func:`section_heads`)."""
     if cu_seqlens is None:
         hq, hkv = q.shape[2], k.shape[2]
+        bh = q.shape[0] * hq
         return (q, k, v, out, lse, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                 lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale,
-                q.shape[0] * hq)
+                bh, section_heads(bh, hq // hkv, k.shape[1], q))
     hq, hkv = q.shape[1], k.shape[1]
+    bh = (cu_seqlens[0].shape[0] - 1) * hq
     return (q, k, v, out, lse, *cu_seqlens, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
             0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale,
-            (cu_seqlens[0].shape[0] - 1) * hq)
+            bh, section_heads(bh, hq // hkv, max_seqlens[1], q))

@@ -68,6 +68,12 @@ def _args_key(args: tuple) -> tuple:
 
 
 @functools.cache
+def l2_bytes(device: torch.device) -> int:
+    """L2 cache size of a GPU (50 MiB, an H100's / H200's, for CPU tensors)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
+
+
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a GPU (4 under the interpreter: a few programs, each looping)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
