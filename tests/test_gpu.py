@@ -476,7 +476,9 @@ def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch)
 
 def test_varlen_short_wide_forward_tile(poison, monkeypatch):
     """A short varlen call without causal masking and with many query tiles (ragged, an empty and
-    a length-1 sequence) takes the wide tile, and matches the reference."""
+    a length-1 sequence) takes the wide tile when the Triton forward serves it (on sm_90 the Gluon
+    forward serves it by default: turned off here), and matches the reference."""
+    monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
     picked, real = [], configs.forward_config
 
     def spy(*args, **kwargs):
