@@ -203,12 +203,12 @@ def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
 
 
 def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeypatch):
-    """The forward has programs per query head, the dK/dV kernel per kv head: with 16 query and 4 kv
-    heads in all, a limit of 10 programs per grid axis refuses the forward and not the backward."""
-    monkeypatch.setattr(configs, "MAX_GRID_YZ", 10)
-    assert gluon(*qkv(B=2, Hq=8, Hkv=2)) == (gluon.mode == "bwd_dkdv")
+    """The dK/dV kernel has a program per kv head on a grid axis: with 4 kv heads in all, a limit of
+    3 programs per axis refuses it, 4 does not. The forward's persistent grid is 1-D: no such limit."""
+    monkeypatch.setattr(configs, "MAX_GRID_YZ", 4)
+    assert gluon(*qkv(B=2, Hq=8, Hkv=2))
     monkeypatch.setattr(configs, "MAX_GRID_YZ", 3)
-    assert not gluon(*qkv(B=2, Hq=8, Hkv=2))
+    assert gluon(*qkv(B=2, Hq=8, Hkv=2)) == (gluon.mode == "fwd")
 
 
 def test_varlen_with_its_switch(gluon, monkeypatch):
@@ -238,6 +238,7 @@ def test_varlen_launch(monkeypatch):
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
     monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(fwd_sm90, "PROGRAMS", 10**6)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     plan.clear()
@@ -251,9 +252,11 @@ def test_varlen_launch(monkeypatch):
     assert lse.shape == (8, 3001)
     ((name, grid, args, kwargs),) = seen
     assert name == "_fwd_ws_kernel" and kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
-    # the persistent grid: one program per SM (4 for CPU tensors), at most one per tile; BH last
-    assert grid == (min(-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8, launch.sm_count(q.device)),), grid
-    assert args[-1] == 2 * 8
+    # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
+    # most one per tile: the longest sequence's query blocks x sequences x heads
+    assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8,), grid
+    # then B x Hq and the causal order's heads per section
+    assert args[-2] == 2 * 8 and args[-1] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
     assert args[5] is cu_q and args[6] is cu_k
     assert args[7:10] == (0, 8 * 128, 128) and args[19:21] == (0, 3001)  # q (batch, row, head), lse (batch, head)
     assert args[21:25] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences

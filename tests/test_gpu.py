@@ -418,7 +418,8 @@ def test_varlen_on_gpu(causal, poison):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
     """The Gluon forward's variable-length path (fwd.GLUON_VARLEN), on one program per SM and on 5
-    (many tiles each, tiles past a sequence skipped by every partition): taken, each sequence
+    (many tiles each, tiles past a sequence skipped by every partition; causal, in sections of 3
+    heads): taken, each sequence
     within the reference's tolerance (out, lse, and the gradients the Triton backward computes
     from its lse), Sq != Sk both ways, a sequence with queries and no key (out 0, lse -inf), one
     with keys and no query, one query; and bitwise what the sequence's own dense call gives where
@@ -429,6 +430,8 @@ def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
+    if programs and causal:  # and the causal order in sections of 3 of the 48 heads
+        monkeypatch.setattr(fwd.fwd_sm90, "HEADS_PER_SECTION", 3)
     lens_q, lens_k = [2100, 5, 3000, 0, 1, 1300], [2100, 0, 2999, 7, 4096, 2500]
     torch.manual_seed(11)
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)

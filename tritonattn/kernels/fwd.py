@@ -269,8 +269,11 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
         return False
     B, Sq, Sk, Hq, Hkv, _ = var.dims(q, k)
     shortest = configs.GLUON_MIN_SEQLEN[mode][var.win_right is not None]
-    # the forward's programs are per query head, the dK / dV kernel's per kv head
-    if Sk == 0 or max(Sq, Sk) < shortest or B * (Hq if mode == "fwd" else Hkv) > configs.MAX_GRID_YZ:
+    if Sk == 0 or max(Sq, Sk) < shortest:
+        return False
+    # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a
+    # program per kv head on the grid's y axis
+    if (-(-Sq // 128) * B * Hq >= 2**31) if mode == "fwd" else B * Hkv > configs.MAX_GRID_YZ:
         return False
     return _tma_ok(q, k, v, var, q, *more)
 
@@ -335,8 +338,8 @@ def attention_forward(q, k, v, var: Variants):
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
            tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned)
-    # (heads_first's other inputs are in the key; MAX_GRID_YZ is a constant, changed only by tests,
-    # which clear the plans)
+    # (heads_first's other inputs are in the key; MAX_GRID_YZ and fwd_sm90's PROGRAMS and
+    # HEADS_PER_SECTION are constants, changed only by tests and the tuner, which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res
