@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
 from tritonattn.kernels import fwd, fwd_sm90  # noqa: E402
@@ -72,12 +73,15 @@ def check(tiles, head_dims) -> int:
             # of 2 heads (the last one narrower when the heads are odd)
             for programs, sec in ((None, None), (5, None), (5, 2)):
                 fwd_sm90.HEADS_PER_SECTION = sec
-                try:
-                    out, lse = run(q, k, v, causal, tile, programs=programs)
-                finally:
-                    fwd_sm90.HEADS_PER_SECTION = None
                 label = (f"tile {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}-D{D}{'-causal' if causal else ''}"
                          f" programs={programs or 'SMs'} section={sec or 'rule'}")
+                try:
+                    out, lse = run(q, k, v, causal, tile, programs=programs)
+                except OutOfResources as e:  # a tile too large for this head dim
+                    print("skip", label, str(e)[:80], flush=True)
+                    break
+                finally:
+                    fwd_sm90.HEADS_PER_SECTION = None
                 try:
                     check_close("out", out, ref, same, 2)
                     check_close("lse", lse, ref_lse, same_lse, 2)
