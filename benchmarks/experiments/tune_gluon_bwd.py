@@ -8,7 +8,12 @@ with the Gluon kernel off (llama shape, Hq=32, Hkv=8, D=128, 16k tokens per batc
 The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 4f07f6c
 (benchmarks/experiments/gluon_bwd_dq.py).
 
-    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 512 2048] [--tiles 64,2 64,3]
+    python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 512 2048] [--tiles 64,2 p:64,2,2] \
+        [--tokens 16384] [--sections 1 2 4]
+
+A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is the persistent experiment (gluon_bwd_persistent.py beside
+this), checked on one program per SM, on 5 programs (many tiles each), and causal on 5 programs
+in sections of one kv head; ``--sections`` also times it (causal) with these kv heads per section.
 
 The eleventh session's Gluon dK/dV kernel with dQ fused (fp32 atomics) lost 2x: in git at 07734a4
 (benchmarks/experiments/gluon_bwd_fused_dq.py, run with this script's --fused there).
@@ -23,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import gluon_bwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from tune_gluon_fwd import graph_time  # noqa: E402
@@ -37,19 +43,27 @@ def delta_of(out, do):
     return (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
 
 
-def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None):
-    """dK, dV from the Gluon kernel. The timed calls pass ``delta`` and the output buffers
-    (``grads``), so that only the kernel is timed."""
-    block_m, stages = tile
+def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=None):
+    """dK, dV from a Gluon kernel: tile (BLOCK_M, STAGES) the library's, ("p", BLOCK_M, STAGES,
+    KV_BUFS) the persistent experiment on one program per SM (or ``programs``). The timed calls
+    pass ``delta`` and the output buffers (``grads``), so that only the kernel is timed."""
     D = q.shape[-1]
     delta = delta_of(out, do) if delta is None else delta
     dk, dv = grads if grads is not None else (torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
     fwd._need_allocator()
+    scales = (0, D ** -0.5 * LOG2E.value, D ** -0.5)
+    if tile[0] == "p":
+        _, block_m, stages, kv_bufs = tile
+        programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
+        gluon_bwd_persistent._bwd_dkdv_persistent_kernel[gluon_bwd_persistent.grid(k, programs)](
+            *gluon_bwd_persistent.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D,
+            BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG)
+        return dk, dv
+    block_m, stages = tile
     grid = (triton.cdiv(k.shape[1], bwd_sm90.BLOCK_N), k.shape[0] * k.shape[2])
     bwd_sm90._bwd_dkdv_ws_kernel[grid](
-        *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, 0, D ** -0.5 * LOG2E.value, D ** -0.5),
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, num_warps=bwd_sm90.NUM_WARPS,
-        maxnreg=bwd_sm90.MAXNREG)
+        *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m,
+        STAGES=stages, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG)
     return dk, dv
 
 
@@ -59,7 +73,10 @@ def check(tiles) -> int:
         (2, 1000, 1000, 4, 2, False), (2, 1000, 1000, 4, 2, True), (1, 77, 300, 4, 1, True),
         (1, 300, 77, 4, 4, True), (1, 1, 513, 2, 1, True), (2, 2048, 2048, 8, 2, True), (1, 17, 4096, 2, 2, False),
     ]
-    for tile in [("dkdv", t) for t in tiles]:
+    runs = []  # (tile, programs, kv heads per section)
+    for tile in tiles:
+        runs += [(tile, None, None)] + ([(tile, 5, None), (tile, 5, 1)] if tile[0] == "p" else [])
+    for tile, programs, sec in runs:
         for B, Sq, Sk, Hq, Hkv, causal in cases:
             torch.manual_seed(0)
             q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16)
@@ -73,15 +90,21 @@ def check(tiles) -> int:
             same = attention_ref(*pt, causal=causal, upcast=False)[0]
             sq, sk, sv = torch.autograd.grad(same, pt, do)
             magnitude = max(r.abs().max().item() for r in (rq, rk, rv))
-            label = f"{tile[0]} {tile[1]} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}{'-causal' if causal else ''}"
+            if sec and not causal:
+                continue
+            label = (f"dkdv {tile} B{B}-Sq{Sq}-Sk{Sk}-H{Hq}/{Hkv}{'-causal' if causal else ''}"
+                     f"{f' programs={programs}' if programs else ''}{f' section={sec}' if sec else ''}")
+            gluon_bwd_persistent.HEADS_PER_SECTION = sec
             try:
-                dk, dv = run(q, k, v, out, lse, do, causal, tile[1])
+                dk, dv = run(q, k, v, out, lse, do, causal, tile, programs=programs)
                 check_close("dk", dk, rk, sk, 3, magnitude=magnitude)
                 check_close("dv", dv, rv, sv, 3, magnitude=magnitude)
                 print("ok  ", label, flush=True)
             except AssertionError as e:
                 failures += 1
                 print("FAIL", label, e, flush=True)
+            finally:
+                gluon_bwd_persistent.HEADS_PER_SECTION = None
     return failures
 
 
@@ -120,11 +143,11 @@ def llama_inputs(B, S, causal):
     return q, k, v, do, args, delta_of(out.detach(), do)
 
 
-def bench(seqlens, tiles) -> None:
+def bench(seqlens, tiles, tokens=16384, sections=()) -> None:
     print("| S | causal | kernel | ms | TFLOP/s of its products | x library |")
     print("|---|---|---|---|---|---|")
     for S in seqlens:
-        B = max(1, 16384 // S)
+        B = max(1, tokens // S)
         for causal in (False, True):
             q, k, v, do, args, delta = llama_inputs(B, S, causal)
             product = 2 * B * 32 * S * S * 128 / (2 if causal else 1)
@@ -132,21 +155,34 @@ def bench(seqlens, tiles) -> None:
             base = library_ms(q, k, v, do, causal, "_bwd_dkdv_kernel")
             flops = 4 * product
             print(f"| {S} | {causal} | triton dK/dV | {base:.4f} | {flops / base / 1e9:.1f} | 1.00 |", flush=True)
-            for tile in tiles:
-                ms = graph_time(lambda tile=tile: run(*args, tile, delta, buffers))
-                print(f"| {S} | {causal} | gluon dK/dV {tile} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
-                      f"{base / ms:.2f} |", flush=True)
+            persistent = [t for t in tiles if t[0] == "p"]
+            runs = [(t, None) for t in tiles]
+            if causal and persistent:
+                runs += [(persistent[0], n) for n in sections]
+            for tile, sec in runs:
+                gluon_bwd_persistent.HEADS_PER_SECTION = sec
+                try:
+                    ms = graph_time(lambda tile=tile: run(*args, tile, delta, buffers))
+                finally:
+                    gluon_bwd_persistent.HEADS_PER_SECTION = None
+                name = f"gluon dK/dV {tile}" + (f" section {sec}" if sec else "")
+                print(f"| {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | {base / ms:.2f} |", flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
-    p.add_argument("--tiles", nargs="+", default=["64,2", "64,3"], help="BLOCK_M,STAGES")
+    p.add_argument("--tiles", nargs="+", default=["64,2", "p:64,2,1", "p:64,2,2"],
+                   help="BLOCK_M,STAGES (the library's kernel) or p:BLOCK_M,STAGES,KV_BUFS (persistent)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
+    p.add_argument("--sections", type=int, nargs="*", default=[],
+                   help="causal: also time the first persistent tile with these kv heads per section")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    tiles = [("p", *(int(x) for x in t[2:].split(","))) if t.startswith("p:") else tuple(int(x) for x in t.split(","))
+             for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
-    bench(args.seqlens, tiles)
+    bench(args.seqlens, tiles, args.tokens, args.sections)
     return 1 if failures else 0
 
 

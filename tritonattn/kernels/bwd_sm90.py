@@ -54,14 +54,36 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
               Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr):
+    _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM)
+    _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, GROUP, lo_blk, n_m,
+                       q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
+                       BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_bar, HEAD_DIM: gl.constexpr):
+    """TMA loads of the program's 128 keys of K and V, as two 64-key halves each (smem slots
+    2 buf, 2 buf + 1 of ``k_smem`` / ``v_smem``), arriving on ``kv_bar``."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     k_desc = tma.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [HALF, HEAD_DIM], layout)
     v_desc = tma.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [HALF, HEAD_DIM], layout)
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(c))
-    t = 0
+        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(2 * buf + c))
+        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(2 * buf + c))
+
+
+@gluon.jit
+def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, GROUP, lo_blk, n_m,
+                       q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """For each query head of the group and each of its query blocks lo_blk .. lo_blk + n_m - 1: the
+    block's lse2 / delta into the slot's rows, then its Q and dO tiles, into ring slot t % STAGES
+    once both consumers released it (t counts the ring's blocks: 0 here; a program that walks
+    several key blocks passes what it loaded before). Returns t. Every load through a head's
+    descriptors has landed when the next head's are built, and when this returns."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
     for g in range(GROUP):
         h = off_hk * GROUP + g
         q_desc = tma.make_tensor_descriptor(Q + h * stride_qh, [Sq, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM],
@@ -88,6 +110,7 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
         for s in gl.static_range(STAGES):
             back = gl.maximum(t - 1 - s, 0)
             mbarrier.wait(ready_bars.index(back % STAGES), (back // STAGES) & 1, pred=t - 1 - s >= 0)
+    return t
 
 
 @gluon.jit
@@ -103,22 +126,32 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
               sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem,
               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    dtype: gl.constexpr = k_smem.dtype
+    key0 = start_n + WG * HALF
+    mbarrier.wait(kv_bar, 0)
+    dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars, empty_bars,
+                            rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, STAGES)
+    _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale)
+
+
+@gluon.jit
+def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m, shift,
+                qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                STAGES: gl.constexpr):
+    """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
+    memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
+    loads, each slot released after its products. Returns dk, dv and the ring's next block."""
+    dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    key0 = start_n + WG * HALF
     offs_n = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
     offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-    k = k_smem.index(WG)
-    v = v_smem.index(WG)
-    mbarrier.wait(kv_bar, 0)
-    t = 0
+    t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
     for _g in range(GROUP):  # each query head of the group
         for i in range(n_m):
             slot = t % STAGES
@@ -145,10 +178,18 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
             dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
             mbarrier.arrive(empty_bars.index(slot))
             t += 1
+    return dk, dv, t
+
+
+@gluon.jit
+def _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale):
+    """dK (scaled by sm_scale) and dV of keys [key0, key0 + 64), rows past Sk left alone."""
+    acc_layout: gl.constexpr = dk.type.layout
     rows = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, acc_layout))
     ok = gl.expand_dims(rows < Sk, 1)
     r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    dtype: gl.constexpr = DK.dtype.element_ty
     gl.store(DK + r64 * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=ok)
     gl.store(DV + r64 * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=ok)
 
