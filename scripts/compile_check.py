@@ -106,8 +106,9 @@ def main(argv=None) -> int:
             # compile the Triton kernels)
             stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
             stack.enter_context(mock.patch.object(bwd, "_on_sm90", lambda q: gluon))
-            # and the Gluon forward's varlen path (fwd.GLUON_VARLEN, on by default)
+            # and the Gluon kernels' varlen paths (fwd.GLUON_VARLEN, on by default; bwd.GLUON_VARLEN, off)
             stack.enter_context(mock.patch.object(fwd, "GLUON_VARLEN", gluon))
+            stack.enter_context(mock.patch.object(bwd, "GLUON_VARLEN", gluon))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
@@ -243,13 +244,12 @@ def main(argv=None) -> int:
             failures += 1
             print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
-        # (varlen backwards take the Triton dK/dV kernel)
-        wanted = {"_fwd_ws_kernel"} | (set() if run_kw.get("varlen") else {"_bwd_dkdv_ws_kernel"})
+        wanted = {"_fwd_ws_kernel", "_bwd_dkdv_ws_kernel"}
         missing = wanted - {r["name"] for r in RESULTS[start:]}
         if run_kw.get("gluon") and missing:
             failures += 1  # a Gluon case that compiled a Triton kernel instead (Gluon off, or refused)
             print(f"{label:28} FAILED: {', '.join(sorted(missing))} not compiled (TRITONATTN_FWD_GLUON / "
-                  "TRITONATTN_BWD_GLUON / fwd.GLUON_VARLEN, fwd._gluon_ok / bwd._gluon_ok)")
+                  "TRITONATTN_BWD_GLUON / the GLUON_VARLEN switches, fwd._gluon_ok / bwd._gluon_ok)")
             continue
         for r in RESULTS[start:]:
             regs, spill = resources(r["kernel"])

@@ -96,8 +96,8 @@ def test_refuses(gluon, monkeypatch, case):
         var.mask, var.mask_kind = torch.ones(2, 2048, dtype=torch.uint8), MASK_KEYS
     elif case == "dropout":
         var.dropout_p = 0.1
-    elif case == "varlen":  # the dK/dV kernel never; the forward with its varlen switch off
-        monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
+    elif case == "varlen":  # with the kernel's varlen switch off
+        monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", False)
         var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 2048, 4096], dtype=torch.int32)
         var.max_seqlen_q = var.max_seqlen_k = 2048
         q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
@@ -212,19 +212,20 @@ def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeyp
 
 
 def test_varlen_with_its_switch(gluon, monkeypatch):
-    """Packed variable-length calls take the Gluon forward only with fwd.GLUON_VARLEN (on by default;
-    TRITONATTN_FWD_GLUON_VARLEN=0 turns it off), judged by their longest sequences; never the Gluon
-    dK/dV kernel."""
+    """Packed variable-length calls take a Gluon kernel only with its module's GLUON_VARLEN (the
+    forward's on by default, TRITONATTN_FWD_GLUON_VARLEN=0 turns it off; the dK/dV kernel's off,
+    TRITONATTN_BWD_GLUON_VARLEN=1 turns it on), judged by their longest sequences."""
     var = Variants(softmax_scale=SCALE, win_right=0)
     var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 100, 2148], dtype=torch.int32)
     var.max_seqlen_q = var.max_seqlen_k = 2048
     q, k, v = (t.reshape(-1, *t.shape[2:])[:2148] for t in qkv())
     assert fwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
-    monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
+    assert bwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=False)
+    monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", False)
     assert not gluon(q, k, v, var)
-    monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
-    assert gluon(q, k, v, var) == (gluon.mode == "fwd")
-    var.max_seqlen_q = var.max_seqlen_k = configs.GLUON_MIN_SEQLEN["fwd"][1] - 1
+    monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", True)
+    assert gluon(q, k, v, var)
+    var.max_seqlen_q = var.max_seqlen_k = configs.GLUON_MIN_SEQLEN[gluon.mode][1] - 1
     assert not gluon(q, k, v, var)
 
 
@@ -277,3 +278,36 @@ def test_causal_section_heads():
         assert fwd_sm90.section_heads(128, 4, 16384, q) == 5 and fwd_sm90.section_heads(3, 1, 64, q) == 3
     finally:
         fwd_sm90.HEADS_PER_SECTION = None
+
+
+def test_varlen_dkdv_launch(monkeypatch):
+    """A varlen backward through the Gluon dK/dV kernel (bwd.GLUON_VARLEN; CPU tensors as if on
+    sm_90; launches recorded): the Triton dQ kernel first, then the Gluon kernel with IS_VARLEN, a
+    grid of the longest sequence's key blocks by sequences x kv heads, the cu_seqlens tensors and the
+    packed layout's strides (batch stride 0; lse / delta (Hq, total_q))."""
+    from tritonattn.kernels import bwd_sm90, launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+    plan.clear()
+    cu_q = torch.tensor([0, 3000, 3001], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2500, 2600], dtype=torch.int32)
+    q = torch.empty(3001, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(2600, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    var = Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3000,
+                   max_seqlen_k=2500)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(8, 3001)
+    bwd.attention_backward(do, q, k, v, out, lse, var)
+    assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], seen
+    _, grid, args, kwargs = seen[1]
+    launch.tail_values(bwd_sm90._bwd_dkdv_ws_kernel, len(args), kwargs)
+    assert kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
+    assert grid == (-(-2500 // bwd_sm90.BLOCK_N), 2 * 2), grid
+    assert args[8] is cu_q and args[9] is cu_k
+    assert args[10:13] == (0, 8 * 128, 128) and args[13:16] == (0, 2 * 128, 128)  # q, k (batch, row, head)
+    assert args[28:30] == (0, 3001)  # lse / delta (batch, head)
+    assert args[30:34] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences

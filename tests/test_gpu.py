@@ -417,18 +417,19 @@ def test_varlen_on_gpu(causal, poison):
 @pytest.mark.parametrize("programs", [None, 5], ids=["per-SM", "5-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
-    """The Gluon forward's variable-length path (fwd.GLUON_VARLEN), on one program per SM and on 5
-    (many tiles each, tiles past a sequence skipped by every partition; causal, in sections of 3
-    heads): taken, each sequence
-    within the reference's tolerance (out, lse, and the gradients the Triton backward computes
-    from its lse), Sq != Sk both ways, a sequence with queries and no key (out 0, lse -inf), one
-    with keys and no query, one query; and bitwise what the sequence's own dense call gives where
-    that call takes the Gluon forward too."""
+    """The Gluon kernels' variable-length paths (fwd.GLUON_VARLEN, bwd.GLUON_VARLEN), the forward on
+    one program per SM and on 5 (many tiles each, tiles past a sequence skipped by every partition;
+    causal, in sections of 3 heads): taken, each sequence within the reference's tolerance (out,
+    lse, and the gradients: dQ from the Triton kernel, dK / dV from the Gluon one), Sq != Sk both
+    ways, a sequence with queries and no key (out 0, lse -inf), one with keys and no query (dK, dV
+    0), one query; and bitwise what the sequence's own dense call gives where that call takes the
+    Gluon forward too."""
     from tritonattn import flash_attn_varlen_func
 
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(bwd, "GLUON_VARLEN", True)
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
     if programs and causal:  # and the causal order in sections of 3 of the 48 heads
         monkeypatch.setattr(fwd.fwd_sm90, "HEADS_PER_SECTION", 3)
@@ -444,9 +445,11 @@ def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
     assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert "_bwd_dkdv_ws_kernel" in names and "_bwd_dkdv_kernel" not in names, names
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
-        if lq == 0:
+        if lq == 0:  # keys that no query sees
+            assert not dk[ks].any() and not dv[ks].any(), b
             continue
         if lk == 0:
             assert not out[qs].any() and torch.all(lse[:, qs] == float("-inf")), b

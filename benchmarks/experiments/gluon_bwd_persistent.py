@@ -69,7 +69,7 @@ def _producer(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qm, stride_qh, stride_k
         _load_kv(K + off_b * stride_kb + off_hk * stride_kh, V + off_b * stride_vb + off_hk * stride_vh, stride_kn,
                  stride_vn, start_n, Sk, k_smem, v_smem, kb, kv_bars.index(kb), HEAD_DIM)
         t = _load_query_blocks(t, Q + off_b * stride_qb, DO + off_b * stride_dob, stride_qm, stride_qh, stride_dom,
-                               stride_doh, off_hk, Sq, GROUP, lo_blk, n_m, q_smem, do_smem, ready_bars, empty_bars,
+                               stride_doh, off_hk, Sq, Sq, GROUP, lo_blk, n_m, q_smem, do_smem, ready_bars, empty_bars,
                                LSE + off_b * stride_lse_b, DELTA + off_b * stride_lse_b, stride_lse_h, rows_smem,
                                HEAD_DIM, BLOCK_M, STAGES)
         i += 1
@@ -166,8 +166,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float
     """bwd_sm90.launch_args, then B x Hkv (with the key blocks, the number of tiles) and the causal
     order's kv heads per section."""
     bh, group = k.shape[0] * k.shape[2], q.shape[2] // k.shape[2]
-    return (*bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, win_right, qk_scale, sm_scale), bh,
-            section_heads(bh, q, q.shape[1], group))
+    args = bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, win_right, qk_scale, sm_scale)
+    return (*args[:8], *args[10:], bh, section_heads(bh, q, q.shape[1], group))  # (without the cu_seqlens)
 
 
 def grid(k, programs: int) -> tuple[int]:

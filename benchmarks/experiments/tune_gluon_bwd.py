@@ -169,6 +169,37 @@ def bench(seqlens, tiles, tokens=16384, sections=()) -> None:
                 print(f"| {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | {base / ms:.2f} |", flush=True)
 
 
+def bench_varlen(seqlens) -> None:
+    """Packed sequences (flash_attn_varlen_func, 16k tokens, llama heads, D=128, bf16), the whole
+    backward as graph replays: the Triton dK/dV kernel against the Gluon one's varlen path
+    (bwd.GLUON_VARLEN). Equal lengths S, and ragged ones (S, S/2, 3S/2 repeated)."""
+    from tritonattn import flash_attn_varlen_func
+
+    varlen_default = bwd.GLUON_VARLEN
+    print("| S | lengths | causal | backward, Triton dK/dV ms | Gluon dK/dV ms | x Triton |")
+    print("|---|---|---|---|---|---|")
+    for S in seqlens:
+        n = max(1, 16384 // S)
+        for kind, lens in (("equal", [S] * n), ("ragged", ([S, S // 2, 3 * S // 2] * n)[:max(n, 3)])):
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+            q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            for causal in (False, True):
+                out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+                do = torch.randn_like(out)
+                times = []
+                for on in (False, True):
+                    bwd.GLUON_VARLEN = on
+                    try:
+                        times.append(graph_time(lambda out=out, do=do: torch.autograd.grad(
+                            out, (q, k, v), do, retain_graph=True)))
+                    finally:
+                        bwd.GLUON_VARLEN = varlen_default
+                print(f"| {S} | {kind} | {causal} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f} |",
+                      flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
@@ -178,11 +209,14 @@ def main() -> int:
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--varlen", action="store_true", help="also time packed backwards through the varlen path")
     args = p.parse_args()
     tiles = [("p", *(int(x) for x in t[2:].split(","))) if t.startswith("p:") else tuple(int(x) for x in t.split(","))
              for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, tiles, args.tokens, args.sections)
+    if args.varlen:
+        bench_varlen(args.seqlens)
     return 1 if failures else 0
 
 

@@ -623,7 +623,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST, aligned, TMA, GLUON, configs.DKDV_MASKED_STAGES, configs.BATCH_INVARIANT,
+               configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
+               configs.BATCH_INVARIANT,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -693,11 +694,12 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     if not atomic_dq and aligned and _gluon_ok(q, k, v, do, lse, dk, dv, var, _on_sm90(q)):
         block_m, stages = bwd_sm90.TILES[D]
+        seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk)) if var.varlen else {}
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                      var.softmax_scale),
+                                      var.softmax_scale, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                      num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG))
+                      num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
     else:
         cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
                                           seqlen=max(Sq, Sk))
@@ -729,6 +731,11 @@ TMA = configs.env_flag("TRITONATTN_BWD_TMA", default=True)
 # TRITONATTN_BWD_GLUON=0 turns it off, =1 turns it on with other Triton versions.
 GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
                                                   default=triton.__version__.startswith("3.6."))
+# Variable-length calls through the Gluon dK/dV kernel too (its IS_VARLEN path: per-sequence
+# descriptors from cu_seqlens, programs past a sequence's keys exit). Off until tested and measured
+# on the H200 (written in the twelfth session without device time); TRITONATTN_BWD_GLUON_VARLEN=1
+# turns it on.
+GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN")
 
 
 def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool) -> bool:
@@ -738,7 +745,7 @@ def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool) -> bool:
     stride along the queries, dK / dV with unit stride along the head dim. Measured on the H200
     (benchmarks/NOTES.md, eleventh session): 1.06-1.24x the Triton dK/dV kernel at S=512-16384 with
     enough programs (configs.GLUON_MIN_SEQLEN)."""
-    return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do)
+    return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do, varlen=GLUON_VARLEN)
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
 
 

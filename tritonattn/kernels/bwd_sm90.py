@@ -12,7 +12,9 @@ The producer also writes each query block's lse2 and delta to shared memory next
 slot, which the consumers read after their products: a load after an mbarrier wait cannot be
 hoisted above it, so they are not live during the products (spills per consumer thread 32 / 80
 bytes, plain / causal, from 72 / 128 when the consumers loaded them from global memory; that
-kernel was 3-5% slower on the H200, NOTES twelfth session).
+kernel was 1-4% slower on the H200, NOTES twelfth session). The kernel is built from per-tile
+helpers (_load_kv, _load_query_blocks, _accumulate, _store_dkdv) that a persistent experiment
+(benchmarks/experiments/gluon_bwd_persistent.py) calls once per tile.
 Deterministic (no atomics). dQ and delta (rowsum(dO * O)) stay with the Triton dQ kernel, which
 runs first: a Gluon dQ kernel of the same structure was measured at 0.91-1.03x it (NOTES,
 eleventh session).
@@ -20,7 +22,10 @@ eleventh session).
 Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TILES, dense, no
 variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
 descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
-along the head dim. On the H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV
+along the head dim. IS_VARLEN (packed sequences: descriptors per sequence from ``cu_seqlens``,
+programs past a sequence's keys exit) only with ``bwd.GLUON_VARLEN``
+(TRITONATTN_BWD_GLUON_VARLEN=1): written in the twelfth session without device time, not yet run
+on a GPU. On the H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV
 kernel. The interpreter cannot run Gluon: the CPU tier compiles it for sm_90
 (scripts/compile_check.py) and tests the eligibility rule; the GPU tier tests its gradients.
 """
@@ -51,12 +56,12 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 
 @gluon.jit
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
-              Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
+              Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr):
     _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM)
-    _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, GROUP, lo_blk, n_m,
-                       q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
+    _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
+                       n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
                        BLOCK_M, STAGES)
 
 
@@ -74,21 +79,22 @@ def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_ba
 
 
 @gluon.jit
-def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, GROUP, lo_blk, n_m,
-                       q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
+def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
+                       n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """For each query head of the group and each of its query blocks lo_blk .. lo_blk + n_m - 1: the
     block's lse2 / delta into the slot's rows, then its Q and dO tiles, into ring slot t % STAGES
     once both consumers released it (t counts the ring's blocks: 0 here; a program that walks
     several key blocks passes what it loaded before). Returns t. Every load through a head's
-    descriptors has landed when the next head's are built, and when this returns."""
+    descriptors has landed when the next head's are built, and when this returns. The descriptors
+    span ``q_rows`` rows (Sq, or 1 for a packed sequence with no query, which loads none)."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
     for g in range(GROUP):
         h = off_hk * GROUP + g
-        q_desc = tma.make_tensor_descriptor(Q + h * stride_qh, [Sq, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM],
-                                            layout)
-        do_desc = tma.make_tensor_descriptor(DO + h * stride_doh, [Sq, HEAD_DIM], [stride_dom, 1],
+        q_desc = tma.make_tensor_descriptor(Q + h * stride_qh, [q_rows, HEAD_DIM], [stride_qm, 1],
+                                            [BLOCK_M, HEAD_DIM], layout)
+        do_desc = tma.make_tensor_descriptor(DO + h * stride_doh, [q_rows, HEAD_DIM], [stride_dom, 1],
                                              [BLOCK_M, HEAD_DIM], layout)
         for i in range(n_m):
             slot = t % STAGES
@@ -196,7 +202,7 @@ def _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale):
 
 @gluon.jit
 def _bwd_dkdv_ws_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -206,7 +212,7 @@ def _bwd_dkdv_ws_kernel(
     stride_lse_b, stride_lse_h,
     Hkv, GROUP, Sq, Sk, win_right, qk_scale, sm_scale,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -216,6 +222,22 @@ def _bwd_dkdv_ws_kernel(
     off_b = (bh // Hkv).to(gl.int64)
     off_hk = (bh % Hkv).to(gl.int64)
     start_n = pid_n * (2 * HALF)
+    # variable length (IS_VARLEN): sequence off_b is rows [cu[b], cu[b + 1]) of the packed (total, H, D)
+    # tensors (batch strides 0), Sq / Sk the longest; lse / delta (Hq, total_q) with a batch stride of 0
+    q_start = 0
+    k_start = 0
+    q_rows = Sq
+    if IS_VARLEN:
+        q_start = gl.load(CU_Q + off_b).to(gl.int64)
+        k_start = gl.load(CU_K + off_b).to(gl.int64)
+        Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
+        Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
+        if start_n >= Sk:  # past this sequence's keys
+            return
+        # a sequence with no query: its keys' dK / dV are 0 (no block loaded); a one-row descriptor
+        q_rows = gl.maximum(Sq, 1)
+        if Sq == 0:
+            q_start = q_start * 0
 
     # queries [lo_blk * BLOCK_M, Sq) see some key of the block (causal: query i sees j <= i + shift)
     shift = Sk - Sq + win_right
@@ -240,14 +262,14 @@ def _bwd_dkdv_ws_kernel(
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
     fence_async_shared()
 
-    q_base = Q + off_b * stride_qb
-    do_base = DO + off_b * stride_dob
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-    dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
-    dv_base = DV + off_b * stride_dvb + off_hk * stride_dvh
-    lse_base = LSE + off_b * stride_lse_b
-    delta_base = DELTA + off_b * stride_lse_b
+    q_base = Q + off_b * stride_qb + q_start * stride_qm
+    do_base = DO + off_b * stride_dob + q_start * stride_dom
+    k_base = K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh
+    dk_base = DK + off_b * stride_dkb + k_start * stride_dkn + off_hk * stride_dkh
+    dv_base = DV + off_b * stride_dvb + k_start * stride_dvn + off_hk * stride_dvh
+    lse_base = LSE + off_b * stride_lse_b + q_start
+    delta_base = DELTA + off_b * stride_lse_b + q_start
     gl.warp_specialize([
         (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                      sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
@@ -256,14 +278,24 @@ def _bwd_dkdv_ws_kernel(
                      sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
                      HEAD_DIM, BLOCK_M, STAGES)),
         (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
-                     stride_doh, off_hk, start_n, Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar,
+                     stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem,
+                     kv_bar,
                      ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem, HEAD_DIM, BLOCK_M, STAGES)),
     ], [4, 1], [240, 24])
 
 
-def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float) -> tuple:
-    """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq)."""
-    hq, hkv = q.shape[2], k.shape[2]
-    return (q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1), hkv, hq // hkv, q.shape[1],
-            k.shape[1], win_right, qk_scale, sm_scale)
+def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
+                cu_seqlens=None, max_seqlens=None) -> tuple:
+    """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq).
+    Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
+    ``max_seqlens`` (max_q, max_k); q / do (total_q, Hq, D), k / v / dk / dv (total_k, Hkv, D),
+    lse / delta (Hq, total_q)."""
+    if cu_seqlens is None:
+        hq, hkv = q.shape[2], k.shape[2]
+        return (q, k, v, do, lse, delta, dk, dv, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1), hkv, hq // hkv,
+                q.shape[1], k.shape[1], win_right, qk_scale, sm_scale)
+    hq, hkv = q.shape[1], k.shape[1]
+    packed = (x for t in (q, k, v, do, dk, dv) for x in (0, *t.stride()[:2]))  # (batch 0, row, head) strides
+    return (q, k, v, do, lse, delta, dk, dv, *cu_seqlens, *packed, 0, lse.stride(0), hkv, hq // hkv, *max_seqlens,
+            win_right, qk_scale, sm_scale)
