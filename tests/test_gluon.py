@@ -304,6 +304,7 @@ def test_varlen_dkdv_launch(monkeypatch):
     bwd.attention_backward(do, q, k, v, out, lse, var)
     assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], seen
     _, grid, args, kwargs = seen[1]
+    assert len(args) == 37  # the kernel's runtime arguments, then its constexprs from the keywords
     launch.tail_values(bwd_sm90._bwd_dkdv_ws_kernel, len(args), kwargs)
     assert kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
     assert grid == (-(-2500 // bwd_sm90.BLOCK_N), 2 * 2), grid
@@ -311,3 +312,4 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[10:13] == (0, 8 * 128, 128) and args[13:16] == (0, 2 * 128, 128)  # q, k (batch, row, head)
     assert args[28:30] == (0, 3001)  # lse / delta (batch, head)
     assert args[30:34] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
+    assert args[34] == 0 and args[36] == SCALE  # the causal edge, and the softmax scale for dK
