@@ -92,7 +92,10 @@ def _spy_on_configs(monkeypatch) -> dict:
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
                          ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
 def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
-    monkeypatch.setattr(bwd, "GLUON", False)  # the Triton dK/dV kernel's short tile (Gluon's: test_gluon_forward)
+    # the Triton kernels' short tiles (the Gluon kernels, which serve D=128 calls from 1024 causal
+    # tokens on sm_90: test_gluon_forward)
+    monkeypatch.setattr(fwd, "GLUON", False)
+    monkeypatch.setattr(bwd, "GLUON", False)
     picked = _spy_on_configs(monkeypatch)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     padded = configs.padded_head_dim(D)
@@ -125,6 +128,9 @@ SHORT_WIDE_CASES = [(32, 512, 512, 16, 16, 128, False, BF16), (17, 1000, 1024, 1
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_WIDE_CASES, ids=[case_id(*c) for c in SHORT_WIDE_CASES])
 def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
+    """The Triton forward's wide short tile (on sm_90 the Gluon forward serves D=128 calls from 512
+    tokens without a mask: turned off here)."""
+    monkeypatch.setattr(fwd, "GLUON", False)
     picked, real = [], configs.forward_config
 
     def spy(*args, **kwargs):
