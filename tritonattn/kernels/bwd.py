@@ -732,9 +732,8 @@ TMA = configs.env_flag("TRITONATTN_BWD_TMA", default=True)
 GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
                                                   default=triton.__version__.startswith("3.6."))
 # Variable-length calls through the Gluon dK/dV kernel too (its IS_VARLEN path: per-sequence
-# descriptors from cu_seqlens, programs past a sequence's keys exit). Off until tested and measured
-# on the H200 (written in the twelfth session without device time); TRITONATTN_BWD_GLUON_VARLEN=1
-# turns it on.
+# descriptors from cu_seqlens, programs past a sequence's keys exit). Off until measured on the
+# H200 (its GPU test passed in the twelfth session); TRITONATTN_BWD_GLUON_VARLEN=1 turns it on.
 GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN")
 
 

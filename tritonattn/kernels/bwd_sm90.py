@@ -24,10 +24,10 @@ variant but a causal mask or a window's right edge, Q / K / V / dO readable thro
 descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
 along the head dim. IS_VARLEN (packed sequences: descriptors per sequence from ``cu_seqlens``,
 programs past a sequence's keys exit) only with ``bwd.GLUON_VARLEN``
-(TRITONATTN_BWD_GLUON_VARLEN=1): written in the twelfth session without device time, not yet run
-on a GPU. On the H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV
-kernel. The interpreter cannot run Gluon: the CPU tier compiles it for sm_90
-(scripts/compile_check.py) and tests the eligibility rule; the GPU tier tests its gradients.
+(TRITONATTN_BWD_GLUON_VARLEN=1): its GPU test passed (twelfth session), not yet measured. On the
+H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV kernel. The interpreter
+cannot run Gluon: the CPU tier compiles it for sm_90 (scripts/compile_check.py) and tests the
+eligibility rule; the GPU tier tests its gradients.
 """
 
 from __future__ import annotations
