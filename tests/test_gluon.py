@@ -229,17 +229,16 @@ def test_varlen_with_its_switch(gluon, monkeypatch):
     assert not gluon(q, k, v, var)
 
 
-def test_varlen_launch(monkeypatch):
-    """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded):
-    IS_VARLEN, a persistent grid (tiles: the longest sequence's query blocks by batch x heads), the cu_seqlens
-    tensors and the packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
-    from tritonattn.kernels import fwd_sm90, launch, plan
+def _recorded_varlen_call(monkeypatch, module):
+    """``module``'s Gluon kernel and its varlen path on, CPU tensors as if on sm_90, launches recorded
+    (name, grid, args, kwargs) and not run; a packed causal batch of two sequences: 3000 and 1
+    queries, 2500 and 100 keys, 8 query and 2 kv heads, D=128, bf16."""
+    from tritonattn.kernels import launch, plan
 
-    monkeypatch.setattr(fwd, "GLUON", True)
-    monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
-    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(module, "GLUON", True)
+    monkeypatch.setattr(module, "GLUON_VARLEN", True)
+    monkeypatch.setattr(module, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    monkeypatch.setattr(fwd_sm90, "PROGRAMS", 10**6)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     plan.clear()
@@ -249,6 +248,17 @@ def test_varlen_launch(monkeypatch):
     k, v = (torch.empty(2600, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     var = Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3000,
                    max_seqlen_k=2500)
+    return seen, cu_q, cu_k, (q, k, v), var
+
+
+def test_varlen_launch(monkeypatch):
+    """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded):
+    IS_VARLEN, a persistent grid (tiles: the longest sequence's query blocks by batch x heads), the cu_seqlens
+    tensors and the packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
+    from tritonattn.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PROGRAMS", 10**6)
+    seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, fwd)
     out, lse = fwd.attention_forward(q, k, v, var)
     assert lse.shape == (8, 3001)
     ((name, grid, args, kwargs),) = seen
@@ -285,21 +295,9 @@ def test_varlen_dkdv_launch(monkeypatch):
     sm_90; launches recorded): the Triton dQ kernel first, then the Gluon kernel with IS_VARLEN, a
     grid of the longest sequence's key blocks by sequences x kv heads, the cu_seqlens tensors and the
     packed layout's strides (batch stride 0; lse / delta (Hq, total_q))."""
-    from tritonattn.kernels import bwd_sm90, launch, plan
+    from tritonattn.kernels import bwd_sm90, launch
 
-    monkeypatch.setattr(bwd, "GLUON", True)
-    monkeypatch.setattr(bwd, "GLUON_VARLEN", True)
-    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
-    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    seen = []
-    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
-    plan.clear()
-    cu_q = torch.tensor([0, 3000, 3001], dtype=torch.int32)
-    cu_k = torch.tensor([0, 2500, 2600], dtype=torch.int32)
-    q = torch.empty(3001, 8, 128, dtype=torch.bfloat16)
-    k, v = (torch.empty(2600, 2, 128, dtype=torch.bfloat16) for _ in range(2))
-    var = Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3000,
-                   max_seqlen_k=2500)
+    seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, bwd)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(8, 3001)
     bwd.attention_backward(do, q, k, v, out, lse, var)
     assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], seen
