@@ -303,12 +303,11 @@ SHORT_SEQLEN = 1024
 # (without, with) a causal mask or a window's right edge (H200, llama shape, benchmarks/NOTES.md).
 # The forward (kernels/fwd_sm90.py, twelfth session, on a persistent grid, graph replays): without
 # a mask from 512 (1.32x the Triton kernel at 512, 1.40x at 1024), with one from 1024 (0.94x at
-# 512, 1.12x at 1024, 1.18x at 2048; one program per tile had been 0.86x at 1024 causal). The dK / dV kernel
-# (kernels/bwd_sm90.py, eleventh session), 128 keys per
-# program: without a mask from 512 (the whole backward +5..+7% at 512-2048, graph replays, B=4);
-# with one from 2048, where its programs are enough for the causal imbalance (B=4: +0% at 2048,
-# +4..+9% from 4096, but -14% at 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with
-# B=32 / 16)
+# 512, 1.12x at 1024, 1.18x at 2048; one program per tile had been 0.86x at 1024 causal). The
+# dK / dV kernel (kernels/bwd_sm90.py, eleventh session), 128 keys per program: without a mask from
+# 512 (the whole backward +5..+7% at 512-2048, graph replays, B=4); with one from 2048, where its
+# programs are enough for the causal imbalance (B=4: +0% at 2048, +4..+9% from 4096, but -14% at
+# 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with B=32 / 16)
 GLUON_MIN_SEQLEN = {"fwd": (512, 1024), "bwd_dkdv": (512, 2048)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}

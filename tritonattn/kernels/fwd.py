@@ -247,9 +247,10 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
-    :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, tenth session): 1.13-1.22x the
-    Triton kernel at S=8192-16384, 1.01-1.12x at S=2048, 1.18x at S=1024 without a mask; no gain at
-    D=64 or D=256, so not there."""
+    :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, twelfth session, persistent
+    grid, graph replays): 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x at 1024
+    with one, 1.09-1.23x from 2048; D=64 / 256 not served (one program per tile gained nothing
+    there, tenth session)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN)
 
 
@@ -273,7 +274,7 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
         return False
     # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a
     # program per kv head on the grid's y axis
-    if (-(-Sq // 128) * B * Hq >= 2**31) if mode == "fwd" else B * Hkv > configs.MAX_GRID_YZ:
+    if (cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq >= 2**31) if mode == "fwd" else B * Hkv > configs.MAX_GRID_YZ:
         return False
     return _tma_ok(q, k, v, var, q, *more)
 
