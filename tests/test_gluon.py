@@ -19,6 +19,7 @@ def qkv(B=2, Sq=2048, Sk=2048, Hq=8, Hkv=2, D=128, dtype=torch.bfloat16):
 
 
 MODES = {"fwd": fwd, "bwd_dkdv": bwd}  # the configs mode of each kernel, and the module that launches it
+TILES = {"fwd": fwd.fwd_sm90.TILES, "bwd_dkdv": bwd.bwd_sm90.TILES}  # the head dims each kernel has tiles for
 
 
 @pytest.fixture(params=list(MODES))
@@ -48,12 +49,15 @@ def test_serves_plain_causal_and_right_edges(gluon):
         assert gluon(*qkv(Sk=3000), Variants(softmax_scale=SCALE, win_right=right))
     assert gluon(*qkv(Sq=1, Sk=4096))  # one query against a long cache, dense
     assert gluon(*qkv(Sq=4096, Sk=1, Hkv=1))
-    # from configs.GLUON_MIN_SEQLEN[mode]: (without, with) a mask
-    full, masked = configs.GLUON_MIN_SEQLEN[gluon.mode]
-    assert gluon(*qkv(Sq=full, Sk=full))
-    assert gluon(*qkv(Sq=masked, Sk=masked), Variants(softmax_scale=SCALE, win_right=0))
-    if masked > full:
-        assert not gluon(*qkv(Sq=full, Sk=full), Variants(softmax_scale=SCALE, win_right=0))
+    # from configs.GLUON_MIN_SEQLEN[mode][head dim]: (without, with) a mask, for each head dim of the
+    # kernel's tiles (and only those)
+    lengths = configs.GLUON_MIN_SEQLEN[gluon.mode]
+    assert set(lengths) == set(TILES[gluon.mode])
+    for D, (full, masked) in lengths.items():
+        assert gluon(*qkv(Sq=full, Sk=full, D=D)), D
+        assert not gluon(*qkv(Sq=full - 1, Sk=full - 1, D=D)), D
+        assert gluon(*qkv(Sq=masked, Sk=masked, D=D), Variants(softmax_scale=SCALE, win_right=0)), D
+        assert not gluon(*qkv(Sq=masked - 1, Sk=masked - 1, D=D), Variants(softmax_scale=SCALE, win_right=0)), D
 
 
 @pytest.mark.parametrize("case", ["cpu", "off", "batch-invariant", "forced-tile", "D64", "D96", "D256", "fp32", "short",
@@ -71,15 +75,17 @@ def test_refuses(gluon, monkeypatch, case):
         monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
     elif case == "forced-tile":
         monkeypatch.setitem(configs._override, gluon.mode, configs.TileConfig(128, 64, 8, 2))
-    elif case in ("D64", "D96", "D256"):
-        q, k, v = qkv(D=int(case[1:]))
+    elif case in ("D64", "D96", "D256"):  # a head dim without a tile; with one, one key short of its length
+        D = int(case[1:])
+        S = configs.GLUON_MIN_SEQLEN[gluon.mode].get(D, (2049,))[0] - 1
+        q, k, v = qkv(Sq=S, Sk=S, D=D)
     elif case == "fp32":
         q, k, v = qkv(dtype=torch.float32)
     elif case == "short":
-        full = configs.GLUON_MIN_SEQLEN[gluon.mode][0]
+        full = configs.GLUON_MIN_SEQLEN[gluon.mode][128][0]
         q, k, v = qkv(Sq=full - 1, Sk=full - 1)
     elif case == "short-causal":
-        masked = configs.GLUON_MIN_SEQLEN[gluon.mode][1]
+        masked = configs.GLUON_MIN_SEQLEN[gluon.mode][128][1]
         q, k, v = qkv(Sq=masked - 1, Sk=masked - 1)
         var.win_right = 0
     elif case == "no-keys":
@@ -225,7 +231,7 @@ def test_varlen_with_its_switch(gluon, monkeypatch):
     assert not gluon(q, k, v, var)
     monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", True)
     assert gluon(q, k, v, var)
-    var.max_seqlen_q = var.max_seqlen_k = configs.GLUON_MIN_SEQLEN[gluon.mode][1] - 1
+    var.max_seqlen_q = var.max_seqlen_k = configs.GLUON_MIN_SEQLEN[gluon.mode][128][1] - 1
     assert not gluon(q, k, v, var)
 
 

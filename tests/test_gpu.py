@@ -4,6 +4,8 @@ Marked ``gpu``; needs a CUDA device (scripts/gpu_check.sh runs it on the H200). 
 other files also run on the GPU when one is present.
 """
 
+import math
+
 import pytest
 import torch
 from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
@@ -184,6 +186,11 @@ GLUON_CASES = [
     (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, rows that see no key
     (1, 511, 511, 4, 1, 128, False, F16),  # neither
+    # the forward's other head dims, from their own lengths (no Gluon dK/dV kernel there)
+    (1, 2048, 2100, 4, 2, 256, False, BF16),
+    (1, 8200, 8192, 2, 1, 256, True, BF16),
+    (1, 8192, 8191, 4, 2, 64, True, F16),
+    (1, 8191, 8191, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
 ]
 
 
@@ -198,11 +205,11 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     torch.manual_seed(Sq + Sk)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    gluon_fwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["fwd"][causal]
+    gluon_fwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["fwd"][D][causal]
     assert ("_fwd_ws_kernel" in names) == gluon_fwd and ("_fwd_kernel" in names) != gluon_fwd, names
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][causal]
+    gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf,) * 2)[causal]
     assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
     again, lse2, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -462,7 +469,7 @@ def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
             continue
         check_against_reference(q[qs][None], k[ks][None], v[ks][None], out[qs][None], lse[:, qs][None],
                                 (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], causal)
-        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][causal]:  # its dense call takes the Gluon forward
+        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][128][causal]:  # its dense call takes the Gluon forward
             ob, lseb, _ = flash_attn_func(q.detach()[qs][None], k.detach()[ks][None], v.detach()[ks][None],
                                           causal=causal, return_attn_probs=True)
             assert torch.equal(out[qs], ob[0]) and torch.equal(lse[:, qs], lseb[0]), b

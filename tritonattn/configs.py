@@ -299,8 +299,8 @@ def _lookup(mode: str, q: torch.Tensor, causal: bool) -> TileConfig:
 #   at S=512, 405.3 / 356.3 at S=1024); calls with any variant (window, softcap, ALiBi, bias, mask,
 #   dropout) and kv-cache or paged calls keep the table's (Variants.plain).
 SHORT_SEQLEN = 1024
-# The Gluon sm_90 kernels serve calls whose queries or keys reach these lengths, by mode and
-# (without, with) a causal mask or a window's right edge (H200, llama shape, benchmarks/NOTES.md).
+# The Gluon sm_90 kernels serve calls whose queries or keys reach these lengths, by mode, head dim
+# and (without, with) a causal mask or a window's right edge (H200, llama shape, benchmarks/NOTES.md).
 # The forward (kernels/fwd_sm90.py, twelfth session, on a persistent grid, graph replays): without
 # a mask from 512 (1.32x the Triton kernel at 512, 1.40x at 1024), with one from 1024 (0.94x at
 # 512, 1.12x at 1024, 1.18x at 2048; one program per tile had been 0.86x at 1024 causal). The
@@ -308,7 +308,13 @@ SHORT_SEQLEN = 1024
 # 512 (the whole backward +5..+7% at 512-2048, graph replays, B=4); with one from 2048, where its
 # programs are enough for the causal imbalance (B=4: +0% at 2048, +4..+9% from 4096, but -14% at
 # 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with B=32 / 16)
-GLUON_MIN_SEQLEN = {"fwd": (512, 1024), "bwd_dkdv": (512, 2048)}
+# The forward at D=64 (128-key blocks, 4 slots) and D=256 (64-key blocks, 2 slots), thirteenth
+# session, x the Triton kernel: D=64 0.98x / 0.92x (without / with a mask) at 2048, 1.06x / 1.02x
+# at 8192; D=256 1.11x / 0.95x at 2048, 1.16x / 1.04x at 8192.
+GLUON_MIN_SEQLEN = {
+    "fwd": {64: (8192, 8192), 128: (512, 1024), 256: (2048, 8192)},
+    "bwd_dkdv": {128: (512, 2048)},
+}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {

@@ -248,9 +248,9 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
 def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
     :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, twelfth session, persistent
-    grid, graph replays): 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x at 1024
-    with one, 1.09-1.23x from 2048; D=64 / 256 not served (one program per tile gained nothing
-    there, tenth session)."""
+    grid, graph replays), D=128: 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x
+    at 1024 with one, 1.09-1.23x from 2048; D=64 from 8192 (1.02-1.06x) and D=256 from 2048 without
+    a mask, 8192 with one (1.04-1.16x; thirteenth session)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN)
 
 
@@ -269,7 +269,7 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
     if not var.right_edge_only or var.softmax_scale <= 0:
         return False
     B, Sq, Sk, Hq, Hkv, _ = var.dims(q, k)
-    shortest = configs.GLUON_MIN_SEQLEN[mode][var.win_right is not None]
+    shortest = configs.GLUON_MIN_SEQLEN[mode][q.shape[-1]][var.win_right is not None]
     if Sk == 0 or max(Sq, Sk) < shortest:
         return False
     # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a

@@ -40,12 +40,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from tritonattn.kernels.common import LN2
 from tritonattn.kernels.launch import l2_bytes, sm_count
 
-# 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots),
-# measured on the H200 (benchmarks/NOTES.md, tenth session). D=128: 128-key blocks, 3 slots (229 KB
-# of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. Not D=64 (1.01x the Triton kernel)
-# nor D=256 (64-key blocks and 2 slots, all that fit without spilling: 0.98-1.00x)
+# 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots,
+# Q buffers), measured on the H200 (benchmarks/NOTES.md). D=128 (tenth session): 128-key blocks, 3
+# slots (229 KB of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. D=64 and D=256 on the
+# persistent grid (thirteenth session; one program per tile had gained nothing): D=64 4 slots
+# (1.02-1.06x the Triton kernel at 8192, 3 slots 1-2% less); D=256 64-key blocks and 2 slots, all
+# that fits (1.11-1.16x without a mask). configs.GLUON_MIN_SEQLEN says from which lengths.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
-TILES = {128: (128, 3, 1)}
+TILES = {64: (128, 4, 1), 128: (128, 3, 1), 256: (64, 2, 1)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
