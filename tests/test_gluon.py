@@ -226,7 +226,7 @@ def test_varlen_with_its_switch(gluon, monkeypatch):
     var.max_seqlen_q = var.max_seqlen_k = 2048
     q, k, v = (t.reshape(-1, *t.shape[2:])[:2148] for t in qkv())
     assert fwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
-    assert bwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=False)
+    assert bwd.GLUON_VARLEN == configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
     monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", False)
     assert not gluon(q, k, v, var)
     monkeypatch.setattr(MODES[gluon.mode], "GLUON_VARLEN", True)

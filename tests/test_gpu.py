@@ -187,10 +187,12 @@ GLUON_CASES = [
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, rows that see no key
     (1, 511, 511, 4, 1, 128, False, F16),  # neither
     # the forward's other head dims, from their own lengths (no Gluon dK/dV kernel there)
-    (1, 2048, 2100, 4, 2, 256, False, BF16),
-    (1, 8200, 8192, 2, 1, 256, True, BF16),
+    (2, 1024, 1000, 4, 2, 256, False, BF16),
+    (1, 4100, 4096, 2, 1, 256, True, BF16),
+    (1, 4095, 3000, 4, 2, 256, True, F16),  # one short of D=256's causal length: the Triton forward
     (1, 8192, 8191, 4, 2, 64, True, F16),
-    (1, 8191, 8191, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
+    (1, 4096, 4000, 4, 1, 64, False, BF16),
+    (1, 4095, 4095, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
 ]
 
 
@@ -427,16 +429,18 @@ def test_varlen_on_gpu(causal, poison):
     check_varlen_against_reference(*qkv, out, lse, grads, dout, cu, causal)
 
 
-@pytest.mark.parametrize("programs", [None, 5], ids=["per-SM", "5-programs"])
+@pytest.mark.parametrize("D,programs", [(128, None), (128, 5), (64, None), (256, 5)],
+                         ids=["D128-per-SM", "D128-5-programs", "D64-per-SM", "D256-5-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
+def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
     """The Gluon kernels' variable-length paths (fwd.GLUON_VARLEN, bwd.GLUON_VARLEN), the forward on
     one program per SM and on 5 (many tiles each, tiles past a sequence skipped by every partition;
     causal, in sections of 3 heads): taken, each sequence within the reference's tolerance (out,
     lse, and the gradients: dQ from the Triton kernel, dK / dV from the Gluon one), Sq != Sk both
     ways, a sequence with queries and no key (out 0, lse -inf), one with keys and no query (dK, dV
     0), one query; and bitwise what the sequence's own dense call gives where that call takes the
-    Gluon forward too."""
+    Gluon forward too. D=64 / 256: the forward's other tiles (D=64 causal is under its length: the
+    Triton forward), the Triton dK/dV kernel."""
     from tritonattn import flash_attn_varlen_func
 
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
@@ -450,15 +454,19 @@ def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
     torch.manual_seed(11)
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
                   for n in (lens_q, lens_k))
-    q = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
-    k, v = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
+    q = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
     names = _launched(monkeypatch)
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                          return_attn_probs=True)
-    assert "_fwd_ws_kernel" in names and "_fwd_kernel" not in names, names
+    longest = max(*lens_q, *lens_k)
+    gluon_fwd = longest >= configs.GLUON_MIN_SEQLEN["fwd"][D][causal]
+    assert gluon_fwd == (D != 64 or not causal)  # what the case is for
+    assert ("_fwd_ws_kernel" in names) == gluon_fwd and ("_fwd_kernel" in names) != gluon_fwd, names
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    assert "_bwd_dkdv_ws_kernel" in names and "_bwd_dkdv_kernel" not in names, names
+    gluon_bwd = D in bwd.bwd_sm90.TILES
+    assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
         if lq == 0:  # keys that no query sees (their buffers start at 0: a result check)
@@ -469,7 +477,7 @@ def test_gluon_forward_varlen(causal, programs, poison, monkeypatch):
             continue
         check_against_reference(q[qs][None], k[ks][None], v[ks][None], out[qs][None], lse[:, qs][None],
                                 (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], causal)
-        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][128][causal]:  # its dense call takes the Gluon forward
+        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][D][causal]:  # its dense call takes the Gluon forward
             ob, lseb, _ = flash_attn_func(q.detach()[qs][None], k.detach()[ks][None], v.detach()[ks][None],
                                           causal=causal, return_attn_probs=True)
             assert torch.equal(out[qs], ob[0]) and torch.equal(lse[:, qs], lseb[0]), b

@@ -309,10 +309,11 @@ SHORT_SEQLEN = 1024
 # programs are enough for the causal imbalance (B=4: +0% at 2048, +4..+9% from 4096, but -14% at
 # 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with B=32 / 16)
 # The forward at D=64 (128-key blocks, 4 slots) and D=256 (64-key blocks, 2 slots), thirteenth
-# session, x the Triton kernel: D=64 0.98x / 0.92x (without / with a mask) at 2048, 1.06x / 1.02x
-# at 8192; D=256 1.11x / 0.95x at 2048, 1.16x / 1.04x at 8192.
+# session, x the Triton kernel (without / with a mask): D=64 0.98x / 0.92x at 2048, 1.04x / 0.97x
+# at 4096, 1.05-1.06x / 1.00-1.02x at 8192-16384; D=256 1.05x / 0.93x at 1024, 1.11x / 0.95x at
+# 2048, 1.14x / 1.03x at 4096, 1.14-1.16x / 1.03-1.04x at 8192-16384.
 GLUON_MIN_SEQLEN = {
-    "fwd": {64: (8192, 8192), 128: (512, 1024), 256: (2048, 8192)},
+    "fwd": {64: (4096, 8192), 128: (512, 1024), 256: (1024, 4096)},
     "bwd_dkdv": {128: (512, 2048)},
 }
 WIDE_PROGRAMS = 2048

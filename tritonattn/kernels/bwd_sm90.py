@@ -23,9 +23,10 @@ Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TI
 variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
 descriptors, lse / delta (B, Hq, Sq) with unit stride along the queries, dK / dV with unit stride
 along the head dim. IS_VARLEN (packed sequences: descriptors per sequence from ``cu_seqlens``,
-programs past a sequence's keys exit) only with ``bwd.GLUON_VARLEN``
-(TRITONATTN_BWD_GLUON_VARLEN=1): its GPU test passed (twelfth session), not yet measured. On the
-H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV kernel. The interpreter
+programs past a sequence's keys exit) with ``bwd.GLUON_VARLEN`` (on by default,
+TRITONATTN_BWD_GLUON_VARLEN=0 turns it off): the whole varlen backward 1.09-1.32x with it
+(thirteenth session). On the H200 (llama shape, S=512-16384) it ran 1.06-1.24x the Triton dK / dV
+kernel dense. The interpreter
 cannot run Gluon: the CPU tier compiles it for sm_90 (scripts/compile_check.py) and tests the
 eligibility rule; the GPU tier tests its gradients.
 """

@@ -249,8 +249,8 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
     :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, twelfth session, persistent
     grid, graph replays), D=128: 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x
-    at 1024 with one, 1.09-1.23x from 2048; D=64 from 8192 (1.02-1.06x) and D=256 from 2048 without
-    a mask, 8192 with one (1.04-1.16x; thirteenth session)."""
+    at 1024 with one, 1.09-1.23x from 2048; D=64 from 4096 without a mask, 8192 with one
+    (1.00-1.06x), D=256 from 1024 without, 4096 with (1.03-1.16x; thirteenth session)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN)
 
 

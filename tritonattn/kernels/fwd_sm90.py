@@ -44,8 +44,9 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # Q buffers), measured on the H200 (benchmarks/NOTES.md). D=128 (tenth session): 128-key blocks, 3
 # slots (229 KB of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. D=64 and D=256 on the
 # persistent grid (thirteenth session; one program per tile had gained nothing): D=64 4 slots
-# (1.02-1.06x the Triton kernel at 8192, 3 slots 1-2% less); D=256 64-key blocks and 2 slots, all
-# that fits (1.11-1.16x without a mask). configs.GLUON_MIN_SEQLEN says from which lengths.
+# (1.04-1.06x the Triton kernel from 4096 without a mask, 1.00-1.02x from 8192 with one; 3 slots
+# 1-2% less); D=256 64-key blocks and 2 slots, all that fits (1.05-1.16x without a mask from 1024,
+# 1.03-1.04x with one from 4096). configs.GLUON_MIN_SEQLEN says from which lengths.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {64: (128, 4, 1), 128: (128, 3, 1), 256: (64, 2, 1)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
