@@ -302,9 +302,10 @@ def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch):
 
 
 def test_gluon_forward_not_taken(monkeypatch):
-    """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64, a
-    window's left edge, ALiBi, forced tiles, and TRITONATTN_BATCH_INVARIANT; a varlen call's dK/dV,
-    and its forward with TRITONATTN_FWD_GLUON_VARLEN=0."""
+    """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64 causal
+    at 2048 (under its length), a window's left edge, ALiBi, forced tiles, and
+    TRITONATTN_BATCH_INVARIANT; a varlen call with TRITONATTN_FWD_GLUON_VARLEN=0 and
+    TRITONATTN_BWD_GLUON_VARLEN=0 (and by default takes both Gluon kernels)."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("off sm_90 no call takes the Gluon kernels (tests/test_gluon.py)")
     torch.manual_seed(0)
@@ -332,11 +333,13 @@ def test_gluon_forward_not_taken(monkeypatch):
         names = forward_and_backward(call)
         assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
         assert "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
-    names = forward_and_backward(varlen)
-    assert "_fwd_ws_kernel" in names and "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
+    names = forward_and_backward(varlen)  # both Gluon kernels by default; each off with its switch
+    assert "_fwd_ws_kernel" in names and "_bwd_dkdv_ws_kernel" in names and "_bwd_dkdv_kernel" not in names, names
     monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
+    monkeypatch.setattr(bwd, "GLUON_VARLEN", False)
     names = forward_and_backward(varlen)
     assert "_fwd_kernel" in names and "_fwd_ws_kernel" not in names, names
+    assert "_bwd_dkdv_kernel" in names and "_bwd_dkdv_ws_kernel" not in names, names
     with configs.override(fwd=configs.forward_config(q, True), bwd_dkdv=configs.backward_dkdv_config(q, True)):
         names = forward_and_backward(lambda: flash_attn_func(q, k, v, causal=True))
         assert "_fwd_ws_kernel" not in names and "_bwd_dkdv_ws_kernel" not in names, names

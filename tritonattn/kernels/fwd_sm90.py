@@ -80,20 +80,40 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 @gluon.jit
 def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr,
           BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """Tile t (128 query rows of one sequence and query head): its first row, batch, head, kv head,
-    first query and key token (0 but for IS_VARLEN), query and key lengths, causal shift, key
-    blocks and unmasked key blocks. Without a mask: a head's query blocks one after the other.
-    Causal: SEC heads at a time (a section: heads whose K / V fit in L2 together, so that the
-    programs running at once share them), in each the query blocks with the most keys first, all
-    the section's heads of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of
-    the packed tensors and Sq / Sk are the longest (a tile past its sequence's queries is skipped
-    by every partition)."""
+    """Tile t (128 query rows of one sequence and query head): whether it is one (see _n_tiles), its
+    first row, batch, head, kv head, first query and key token (0 but for IS_VARLEN), query and key
+    lengths, causal shift, key blocks and unmasked key blocks. Without a mask: a head's query
+    blocks one after the other. Causal: SEC heads at a time (a section: heads whose K / V fit in L2
+    together, so that the programs running at once share them). With at least as many pairs of
+    query blocks (i, n_m - 1 - i) of a head as programs, a program's t-th and t+1-th turns (t
+    even) run one pair, heavy block first: every pair costs n_m + 1 key blocks, so the programs'
+    loads differ by one pair at most (the heaviest-first order dealt by turns left programs up to
+    1.8x apart where a section's tiles were about as many as the programs: MHA, D=256, S=16384).
+    Fewer pairs than programs: one block per turn, those with the most keys first, all the
+    section's heads of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the
+    packed tensors and Sq / Sk are the longest (a tile past its sequence's queries is skipped by
+    every partition, as are turns past the pairs)."""
+    valid = True
     if CAUSAL:
-        first = t // (n_m * SEC) * SEC  # the section's first head
-        r = t % (n_m * SEC)
-        width = gl.minimum(SEC, BH - first)  # (the last section may hold fewer heads)
-        pid_m = n_m - 1 - r // width
-        bh = first + r % width
+        P = gl.num_programs(0)
+        n_half = (n_m + 1) // 2
+        if n_half * BH >= P:
+            u = t % P + t // (2 * P) * P  # the pair (past the last: a turn with no tile, read as the last)
+            uc = gl.minimum(u, n_half * BH - 1)
+            first = uc // (n_half * SEC) * SEC  # the section's first head
+            r = uc % (n_half * SEC)
+            width = gl.minimum(SEC, BH - first)  # (the last section may hold fewer heads)
+            i = r // width
+            bh = first + r % width
+            light = (t // P) % 2 == 1
+            pid_m = gl.where(light, i, n_m - 1 - i)
+            valid = (u < n_half * BH) & ~(light & (2 * i == n_m - 1))  # (an odd n_m's middle block: once)
+        else:
+            first = t // (n_m * SEC) * SEC
+            r = t % (n_m * SEC)
+            width = gl.minimum(SEC, BH - first)
+            pid_m = n_m - 1 - r // width
+            bh = first + r % width
     else:
         pid_m = t % n_m
         bh = t // n_m
@@ -113,8 +133,21 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
     if CAUSAL:
         hi = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_shift, 0), Sk)
         full_hi = gl.minimum(gl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
-    return (start_m, off_b, off_h, off_h // GROUP, q_start, k_start, Sq, Sk, causal_shift, gl.cdiv(hi, BLOCK_N),
-            full_hi // BLOCK_N)
+    return (valid, start_m, off_b, off_h, off_h // GROUP, q_start, k_start, Sq, Sk, causal_shift,
+            gl.cdiv(hi, BLOCK_N), full_hi // BLOCK_N)
+
+
+@gluon.jit
+def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
+    """The turns of the persistent loop (see _tile): the tiles; causal with pairs, two turns per pair
+    for every program, whole rounds."""
+    n = n_m * BH
+    if CAUSAL:
+        P = gl.num_programs(0)
+        n_pairs = (n_m + 1) // 2 * BH
+        if n_pairs >= P:
+            n = 2 * P * gl.cdiv(n_pairs, P)
+    return n
 
 
 @gluon.jit
@@ -131,12 +164,11 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     J = 0  # K / V blocks loaded so far (all tiles)
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
+        live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
             t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
-        live = True
         k_rows = sk
         if IS_VARLEN:
-            live = start_m < sq
+            live = live & (start_m < sq)
             # a sequence with no key: a one-row descriptor at the tensor's start (every key is masked)
             k_rows = gl.maximum(sk, 1)
             if sk == 0:
@@ -223,11 +255,10 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
     T = 0  # turns taken so far
     i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
+        live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
             t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
-        live = True
         if IS_VARLEN:
-            live = start_m < sq
+            live = live & (start_m < sq)
         if live:
             row0 = start_m + WG * HALF
             offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
@@ -301,7 +332,7 @@ def _fwd_ws_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     n_m = gl.cdiv(Sq, BLOCK_M)
-    n_tiles = n_m * BH
+    n_tiles = _n_tiles(n_m, BH, CAUSAL)
     causal_shift = Sk - Sq + win_right  # (IS_VARLEN: per sequence, in _tile)
 
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, HALF, HEAD_DIM], tile_layout)
