@@ -12,8 +12,10 @@ The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 
         [--tokens 16384] [--sections 1 2 4]
 
 A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is the persistent experiment (gluon_bwd_persistent.py beside
-this), checked on one program per SM, on 5 programs (many tiles each), and causal on 5 programs
-in sections of one kv head; ``--sections`` also times it (causal) with these kv heads per section.
+this; causal with pairs of key blocks, ``h:...`` the same with the twelfth session's heaviest-first
+order, which lost 15-35% causal in the thirteenth), checked on one program per SM, on 5 programs
+(many tiles each), and causal on 5 programs in sections of one kv head; ``--sections`` also times
+it (causal) with these kv heads per section.
 
 The eleventh session's Gluon dK/dV kernel with dQ fused (fp32 atomics) lost 2x: in git at 07734a4
 (benchmarks/experiments/gluon_bwd_fused_dq.py, run with this script's --fused there).
@@ -52,12 +54,13 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=No
     dk, dv = grads if grads is not None else (torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
     fwd._need_allocator()
     scales = (0, D ** -0.5 * LOG2E.value, D ** -0.5)
-    if tile[0] == "p":
-        _, block_m, stages, kv_bufs = tile
+    if tile[0] in ("p", "h"):
+        kind, block_m, stages, kv_bufs = tile
         programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
         gluon_bwd_persistent._bwd_dkdv_persistent_kernel[gluon_bwd_persistent.grid(k, programs)](
             *gluon_bwd_persistent.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D,
-            BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG)
+            BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, PAIRS=kind == "p", num_warps=bwd_sm90.NUM_WARPS,
+            maxnreg=bwd_sm90.MAXNREG)
         return dk, dv
     block_m, stages = tile
     grid = (triton.cdiv(k.shape[1], bwd_sm90.BLOCK_N), k.shape[0] * k.shape[2])
@@ -75,7 +78,7 @@ def check(tiles) -> int:
     ]
     runs = []  # (tile, programs, kv heads per section)
     for tile in tiles:
-        runs += [(tile, None, None)] + ([(tile, 5, None), (tile, 5, 1)] if tile[0] == "p" else [])
+        runs += [(tile, None, None)] + ([(tile, 5, None), (tile, 5, 1)] if tile[0] in ("p", "h") else [])
     for tile, programs, sec in runs:
         for B, Sq, Sk, Hq, Hkv, causal in cases:
             if sec and not causal:  # (sections order causal tiles only)
@@ -155,7 +158,7 @@ def bench(seqlens, tiles, tokens=16384, sections=()) -> None:
             base = library_ms(q, k, v, do, causal, "_bwd_dkdv_kernel")
             flops = 4 * product
             print(f"| {S} | {causal} | triton dK/dV | {base:.4f} | {flops / base / 1e9:.1f} | 1.00 |", flush=True)
-            persistent = [t for t in tiles if t[0] == "p"]
+            persistent = [t for t in tiles if t[0] in ("p", "h")]
             runs = [(t, None) for t in tiles]
             if causal and persistent:
                 runs += [(persistent[0], n) for n in sections]
@@ -209,15 +212,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
     p.add_argument("--tiles", nargs="+", default=["64,2", "p:64,2,1", "p:64,2,2"],
-                   help="BLOCK_M,STAGES (the library's kernel) or p:BLOCK_M,STAGES,KV_BUFS (persistent)")
+                   help="BLOCK_M,STAGES (the library's kernel) or p:BLOCK_M,STAGES,KV_BUFS (persistent; h: its "
+                        "heaviest-first causal order)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed backwards through the varlen path")
     args = p.parse_args()
-    tiles = [("p", *(int(x) for x in t[2:].split(","))) if t.startswith("p:") else tuple(int(x) for x in t.split(","))
-             for t in args.tiles]
+    tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:")
+             else tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles)
     bench(args.seqlens, tiles, args.tokens, args.sections)
     if args.varlen:
