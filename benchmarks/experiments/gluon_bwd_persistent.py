@@ -34,10 +34,10 @@ HEADS_PER_SECTION = None  # the causal order's section (kv heads): None, section
 
 @gluon.jit
 def _pairs(n_n, BH, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-    """Causal with PAIRS: at least as many pairs of key blocks (i, n_n - 1 - i) as programs."""
+    """Causal with PAIRS and more tiles than programs: pairs of key blocks (i, n_n - 1 - i)."""
     on = False
     if CAUSAL and PAIRS:
-        on = (n_n + 1) // 2 * BH >= gl.num_programs(0)
+        on = n_n * BH > gl.num_programs(0)
     return on
 
 

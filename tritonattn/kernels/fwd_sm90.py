@@ -84,20 +84,21 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
     first row, batch, head, kv head, first query and key token (0 but for IS_VARLEN), query and key
     lengths, causal shift, key blocks and unmasked key blocks. Without a mask: a head's query
     blocks one after the other. Causal: SEC heads at a time (a section: heads whose K / V fit in L2
-    together, so that the programs running at once share them). With at least as many pairs of
-    query blocks (i, n_m - 1 - i) of a head as programs, a program's t-th and t+1-th turns (t
-    even) run one pair, heavy block first: every pair costs n_m + 1 key blocks, so the programs'
-    loads differ by one pair at most (the heaviest-first order dealt by turns left programs up to
-    1.8x apart where a section's tiles were about as many as the programs: MHA, D=256, S=16384).
-    Fewer pairs than programs: one block per turn, those with the most keys first, all the
-    section's heads of a block together. IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the
-    packed tensors and Sq / Sk are the longest (a tile past its sequence's queries is skipped by
-    every partition, as are turns past the pairs)."""
+    together, so that the programs running at once share them). With more tiles than programs, a
+    program's turns 2k and 2k+1 run one pair of query blocks (i, n_m - 1 - i) of a head, heavy
+    block first: every pair costs n_m + 1 key blocks, so the programs' loads differ by one pair at
+    most (the heaviest-first order dealt by turns left programs up to 1.8x apart where a section's
+    tiles were about as many as the programs: MHA, D=256, S=16384; and with fewer tiles than twice
+    the programs a program's two tiles add to more than a pair). Otherwise (a tile per program):
+    the query blocks with the most keys first, all the section's heads of a block together.
+    IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the packed tensors and Sq / Sk are the
+    longest (a tile past its sequence's queries is skipped by every partition, as are turns past
+    the pairs)."""
     valid = True
     if CAUSAL:
         P = gl.num_programs(0)
         n_half = (n_m + 1) // 2
-        if n_half * BH >= P:
+        if n_m * BH > P:
             u = t % P + t // (2 * P) * P  # the pair (past the last: a turn with no tile, read as the last)
             uc = gl.minimum(u, n_half * BH - 1)
             first = uc // (n_half * SEC) * SEC  # the section's first head
@@ -145,7 +146,7 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
     if CAUSAL:
         P = gl.num_programs(0)
         n_pairs = (n_m + 1) // 2 * BH
-        if n_pairs >= P:
+        if n_m * BH > P:
             n = 2 * P * gl.cdiv(n_pairs, P)
     return n
 
