@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gluon_bwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-from tune_gluon_fwd import graph_time  # noqa: E402
+from tune_gluon_fwd import graph_time, packed_batches  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
 from tritonattn.kernels import bwd, bwd_sm90, fwd  # noqa: E402
@@ -183,29 +183,23 @@ def bench_varlen(seqlens) -> None:
     varlen_default = bwd.GLUON_VARLEN
     print("| S | lengths | causal | forward ms | backward, Triton dK/dV ms | Gluon dK/dV ms | x Triton |")
     print("|---|---|---|---|---|---|---|")
-    for S in seqlens:
-        n = max(1, 16384 // S)
-        for kind, lens in (("equal", [S] * n), ("ragged", ([S, S // 2, 3 * S // 2] * n)[:max(n, 3)])):
-            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-            q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                    for _ in range(2))
-            do = torch.randn_like(q)
-            for causal in (False, True):
-                def forward(cu=cu, lens=lens, causal=causal):
-                    return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    for S, _, kind, lens, cu, q, k, v in packed_batches(seqlens, requires_grad=True):
+        do = torch.randn_like(q)
+        for causal in (False, True):
+            def forward(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
+                return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
 
-                fwd_ms = graph_time(forward)
-                times = []
-                for on in (False, True):
-                    bwd.GLUON_VARLEN = on
-                    try:
-                        times.append(graph_time(lambda forward=forward: torch.autograd.grad(
-                            forward(), (q, k, v), do)) - fwd_ms)
-                    finally:
-                        bwd.GLUON_VARLEN = varlen_default
-                print(f"| {S} | {kind} | {causal} | {fwd_ms:.4f} | {times[0]:.4f} | {times[1]:.4f} | "
-                      f"{times[0] / times[1]:.2f} |", flush=True)
+            fwd_ms = graph_time(forward)
+            times = []
+            for on in (False, True):
+                bwd.GLUON_VARLEN = on
+                try:
+                    times.append(graph_time(lambda forward=forward, q=q, k=k, v=v, do=do: torch.autograd.grad(
+                        forward(), (q, k, v), do)) - fwd_ms)
+                finally:
+                    bwd.GLUON_VARLEN = varlen_default
+            print(f"| {S} | {kind} | {causal} | {fwd_ms:.4f} | {times[0]:.4f} | {times[1]:.4f} | "
+                  f"{times[0] / times[1]:.2f} |", flush=True)
 
 
 def main() -> int:

@@ -145,6 +145,19 @@ def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
 
 
+def packed_batches(seqlens, requires_grad: bool = False):
+    """The varlen timings' batches (16k tokens, llama heads Hq=32 / Hkv=8, D=128, bf16): for each S,
+    equal lengths S and ragged ones (S, S/2, 3S/2 repeated). Yields (S, n, kind, lens, cu, q, k, v),
+    n the number of equal sequences, cu the int32 cu_seqlens of both queries and keys."""
+    for S in seqlens:
+        n = max(1, 16384 // S)
+        for kind, lens in (("equal", [S] * n), ("ragged", ([S, S // 2, 3 * S // 2] * n)[:max(n, 3)])):
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+            q, k, v = (torch.randn(sum(lens), h, 128, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=requires_grad) for h in (32, 8, 8))
+            yield S, n, kind, lens, cu, q, k, v
+
+
 def bench_varlen(seqlens) -> None:
     """Packed sequences (flash_attn_varlen_func, 16k tokens, llama heads, D=128, bf16): the Triton
     forward against the Gluon forward's varlen path (fwd.GLUON_VARLEN), and the dense Gluon call
@@ -154,29 +167,24 @@ def bench_varlen(seqlens) -> None:
     varlen_default = fwd.GLUON_VARLEN
     print("| S | lengths | causal | triton varlen ms | gluon varlen ms | x triton | gluon dense ms |")
     print("|---|---|---|---|---|---|---|")
-    for S in seqlens:
-        n = max(1, 16384 // S)
-        for kind, lens in (("equal", [S] * n), ("ragged", ([S, S // 2, 3 * S // 2] * n)[:max(n, 3)])):
-            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-            q = torch.randn(sum(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            for causal in (False, True):
-                def call(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
-                    flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    for S, n, kind, lens, cu, q, k, v in packed_batches(seqlens):
+        for causal in (False, True):
+            def call(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
+                flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
 
-                times = []
-                for on in (False, True):
-                    fwd.GLUON_VARLEN = on
-                    try:
-                        times.append(graph_time(call))
-                    finally:
-                        fwd.GLUON_VARLEN = varlen_default
-                dense = "-"
-                if kind == "equal":
-                    qd, kd, vd = (t.view(n, S, *t.shape[1:]) for t in (q, k, v))
-                    dense = f"{graph_time(lambda: flash_attn_func(qd, kd, vd, causal=causal)):.4f}"
-                print(f"| {S} | {kind} | {causal} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f} | "
-                      f"{dense} |", flush=True)
+            times = []
+            for on in (False, True):
+                fwd.GLUON_VARLEN = on
+                try:
+                    times.append(graph_time(call))
+                finally:
+                    fwd.GLUON_VARLEN = varlen_default
+            dense = "-"
+            if kind == "equal":
+                qd, kd, vd = (t.view(n, S, *t.shape[1:]) for t in (q, k, v))
+                dense = f"{graph_time(lambda: flash_attn_func(qd, kd, vd, causal=causal)):.4f}"
+            print(f"| {S} | {kind} | {causal} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f} | "
+                  f"{dense} |", flush=True)
 
 
 def main() -> int:
