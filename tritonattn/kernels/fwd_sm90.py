@@ -98,7 +98,7 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
     if CAUSAL:
         P = gl.num_programs(0)
         n_half = (n_m + 1) // 2
-        if n_m * BH > P:
+        if _pairs(n_m, BH):
             u = t % P + t // (2 * P) * P  # the pair (past the last: a turn with no tile, read as the last)
             uc = gl.minimum(u, n_half * BH - 1)
             first = uc // (n_half * SEC) * SEC  # the section's first head
@@ -139,6 +139,12 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
 
 
 @gluon.jit
+def _pairs(n_m, BH):
+    """A causal order of pairs of query blocks (see _tile): more tiles than programs."""
+    return n_m * BH > gl.num_programs(0)
+
+
+@gluon.jit
 def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
     """The turns of the persistent loop (see _tile): the tiles; causal with pairs, two turns per pair
     for every program, whole rounds."""
@@ -146,7 +152,7 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
     if CAUSAL:
         P = gl.num_programs(0)
         n_pairs = (n_m + 1) // 2 * BH
-        if n_m * BH > P:
+        if _pairs(n_m, BH):
             n = 2 * P * gl.cdiv(n_pairs, P)
     return n
 
