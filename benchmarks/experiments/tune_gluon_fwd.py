@@ -140,6 +140,10 @@ def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
                         print(f"| {D} | {S} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} | | | |")
                     finally:
                         fwd_sm90.HEADS_PER_SECTION = None
+                if causal:  # no pairs: a program per tile, heaviest first, dealt by the hardware as SMs free up
+                    tiles_n = triton.cdiv(S, fwd_sm90.BLOCK_M.value) * B * Hq
+                    times[f"gluon {tiles[0]} program per tile"] = graph_time(
+                        lambda: run(q, k, v, causal, tiles[0], programs=tiles_n))
                 for name, ms in times.items():
                     print(f"| {D} | {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
