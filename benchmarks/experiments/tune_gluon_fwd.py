@@ -101,17 +101,16 @@ def graph_time(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
 
 
-def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
+def bench(seqlens, head_dims, tiles, tokens, sections, batches=None) -> None:
     gluon_default = fwd.GLUON
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    print("| D | S | causal | backend | ms | TFLOP/s | x cuDNN | x triton |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| D | S | B | causal | backend | ms | TFLOP/s | x cuDNN | x triton |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for D in head_dims:
         Hq, Hkv = (32, 8) if D == 128 else (2048 // D, 2048 // D // 4)
-        for S in seqlens:
-            B = max(1, tokens // S)
+        for S, B in [(s, b) for s in seqlens for b in (batches or [max(1, tokens // s)])]:
             for causal in (False, True):
                 q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16)
                 k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -137,7 +136,7 @@ def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
                     try:
                         times[name] = graph_time(lambda tile=tile: run(q, k, v, causal, tile))
                     except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
-                        print(f"| {D} | {S} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} | | | |")
+                        print(f"| {D} | {S} | {B} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} |||")
                     finally:
                         fwd_sm90.HEADS_PER_SECTION = None
                 if causal:  # no pairs: a program per tile, heaviest first, dealt by the hardware as SMs free up
@@ -145,7 +144,7 @@ def bench(seqlens, head_dims, tiles, tokens, sections) -> None:
                     times[f"gluon {tiles[0]} program per tile"] = graph_time(
                         lambda: run(q, k, v, causal, tiles[0], programs=tiles_n))
                 for name, ms in times.items():
-                    print(f"| {D} | {S} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
+                    print(f"| {D} | {S} | {B} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
 
 
@@ -199,12 +198,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first tile with these heads per section (fwd_sm90.HEADS_PER_SECTION)")
+    p.add_argument("--batches", type=int, nargs="+", help="these batch sizes at every S (instead of --tokens)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dims)
-    bench(args.seqlens, args.head_dims, tiles, args.tokens, args.sections)
+    bench(args.seqlens, args.head_dims, tiles, args.tokens, args.sections, args.batches)
     if args.varlen:
         bench_varlen(args.seqlens)
     return 1 if failures else 0
