@@ -217,49 +217,6 @@ def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeyp
     assert gluon(*qkv(B=2, Hq=8, Hkv=2)) == (gluon.mode == "fwd")
 
 
-def test_causal_load():
-    """fwd_sm90.causal_load, the busiest program's blocks of 128 keys in the causal order, counted by
-    hand: pairs of query blocks (i, n - 1 - i) dealt to the programs in rounds, or a tile per program."""
-    load = fwd.fwd_sm90.causal_load
-    assert load(1024, 1024, 0, 32, 132) == 9  # 8 blocks, 4 pairs of 9 x 32 heads = 128 pairs: one round
-    assert load(1536, 1536, 0, 32, 132) == 26  # 192 pairs of 13: two rounds
-    assert load(2048, 2048, 0, 32, 132) == 34  # 256 pairs of 17: two rounds
-    assert load(1024, 1024, 0, 128, 132) == 36  # 512 pairs: four rounds
-    assert load(2048, 2048, 0, 32, 7) == 37 * 17  # 256 pairs on 7 programs
-    # a tile per program (tiles <= programs): the heaviest, the last query block with its shift
-    assert load(1, 4096, 4095, 16, 132) == 32  # one query sees all 32 key blocks
-    assert load(3001, 2049, -952, 4, 132) == 17  # the last of 24 blocks: 3072 - 952 keys, 17 blocks
-    assert load(3001, 2049, -3000, 4, 132) == 1  # (queries before their first key see none)
-    # pairs with a shift: block i sees i + 1 + 8 blocks (keys 952 past the diagonal), at most 24
-    assert load(2049, 3001, 952, 16, 132) == 2 * 2 * sum(min(i + 9, 24) for i in range(17)) / 17
-
-
-def test_causal_forward_needs_load(monkeypatch):
-    """With a causal mask (or a window's right edge) the Gluon forward serves a call only when its
-    busiest program runs configs.GLUON_CAUSAL_MIN_LOAD blocks of 128 keys or more; on the H200's 132
-    programs, the measured llama shapes: not S=1024 with B=1 or 2 nor S=1536 with B=1 (0.88-0.97x
-    the Triton forward), S=1024 with B=4 and S=2048 from B=1 (1.01-1.14x). Without a mask, and for
-    the dK/dV kernel, the lengths alone decide."""
-    monkeypatch.setattr(fwd, "GLUON", True)
-    monkeypatch.setattr(bwd, "GLUON", True)
-    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", 132)
-    assert configs.GLUON_CAUSAL_MIN_LOAD == 32
-    causal, full = Variants(softmax_scale=SCALE, win_right=0), Variants(softmax_scale=SCALE)
-    for B, S, taken in [(1, 1024, False), (2, 1024, False), (4, 1024, True), (1, 1536, False), (1, 2048, True),
-                        (2, 2048, True), (1, 4096, True)]:
-        q, k, v = qkv(B=B, Sq=S, Sk=S, Hq=32, Hkv=8)
-        assert fwd._gluon_ok(q, k, v, causal, True) == taken, (B, S)
-        assert fwd._gluon_ok(q, k, v, full, True), (B, S)
-    # a window's right edge 1000 keys past the diagonal: B=2, S=1024 then sees 1.9x the keys
-    q, k, v = qkv(B=2, Sq=1024, Sk=1024, Hq=32, Hkv=8)
-    assert fwd._gluon_ok(q, k, v, Variants(softmax_scale=SCALE, win_right=1000), True)
-    q, k, v = qkv(B=2, Sq=2048, Sk=2048, Hq=8, Hkv=2)  # 17 blocks on the busiest program: the dK/dV kernel only
-    assert not fwd._gluon_ok(q, k, v, causal, True)
-    assert bwd._gluon_ok(q, k, v, torch.empty_like(q), torch.empty(2, 8, 2048), torch.empty_like(k),
-                         torch.empty_like(v), causal, True)
-
-
 def test_varlen_with_its_switch(gluon, monkeypatch):
     """Packed variable-length calls take a Gluon kernel only with its module's GLUON_VARLEN (the
     forward's on by default, TRITONATTN_FWD_GLUON_VARLEN=0 turns it off; the dK/dV kernel's off,
@@ -307,7 +264,6 @@ def test_varlen_launch(monkeypatch):
     from tritonattn.kernels import fwd_sm90
 
     monkeypatch.setattr(fwd_sm90, "PROGRAMS", 10**6)
-    monkeypatch.setattr(configs, "GLUON_CAUSAL_MIN_LOAD", 0)  # (a tile per program: 20 key blocks on the busiest)
     seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, fwd)
     out, lse = fwd.attention_forward(q, k, v, var)
     assert lse.shape == (8, 3001)

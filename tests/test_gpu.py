@@ -171,14 +171,6 @@ def _launched(monkeypatch) -> list:
     return names
 
 
-@pytest.fixture
-def any_causal_load(monkeypatch):
-    """The Gluon forward also for causal calls whose busiest program has few key blocks
-    (configs.GLUON_CAUSAL_MIN_LOAD 0): the kernel tests' shapes are small, and their load alone
-    would send most of them to the Triton forward (test_gluon_forward_causal_load checks the rule)."""
-    monkeypatch.setattr(configs, "GLUON_CAUSAL_MIN_LOAD", 0)
-
-
 # the Gluon kernels' calls: odd lengths from configs.GLUON_MIN_SEQLEN on, Sq != Sk both ways
 # (causal rows that see no key), one query or one key, GQA / MQA / MHA, both 16-bit dtypes (keys
 # that no query sees: test_gluon_forward_sdpa_top_left_causal)
@@ -205,7 +197,7 @@ GLUON_CASES = [
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", GLUON_CASES, ids=[case_id(*c) for c in GLUON_CASES])
-def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch, any_causal_load):
+def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
     """The Gluon sm_90 forward and dK/dV kernels: taken (the dK/dV kernel from its own length),
     within the reference's tolerance (out, lse, dQ from the Triton dQ kernel, dK / dV), bitwise the
     same on a rerun."""
@@ -230,7 +222,7 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
 
 @pytest.mark.parametrize("causal,section", [(False, None), (True, None), (True, 5)],
                          ids=["full", "causal", "causal-sections-of-5"])
-def test_gluon_forward_few_programs(causal, section, poison, monkeypatch, any_causal_load):
+def test_gluon_forward_few_programs(causal, section, poison, monkeypatch):
     """The Gluon forward's persistent grid on 7 programs (fwd_sm90.PROGRAMS), many tiles each, so
     that ring slots, turns and Q buffers carry across tiles of different lengths (causal) and
     heads; causal, also in sections of 5 of the 12 heads (the last one of 2): bitwise what one
@@ -268,7 +260,7 @@ def test_gluon_dkdv_into_gradient_views(poison, monkeypatch):
 
 
 @pytest.mark.parametrize("right", [0, 700])
-def test_gluon_forward_right_window_edge(right, poison, monkeypatch, any_causal_load):
+def test_gluon_forward_right_window_edge(right, poison, monkeypatch):
     """A window's right edge alone: the Gluon forward's causal mask shifted, against the reference."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon forward runs on sm_90 GPUs only")
@@ -283,7 +275,7 @@ def test_gluon_forward_right_window_edge(right, poison, monkeypatch, any_causal_
 
 
 @pytest.mark.parametrize("Sq,Sk", [(2500, 3100), (2048, 4096)])
-def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch, any_causal_load):
+def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch):
     """SDPA's top-left causal mask with Sq < Sk, a right edge at Sq - Sk < 0 (which flash-attn's
     window_size cannot say), through both Gluon kernels: against the reference with that edge, and
     within bf16 rounding of PyTorch's SDPA in fp32. Keys past Sq are seen by no query: at 2048 /
@@ -309,29 +301,7 @@ def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch, any_cau
     torch.testing.assert_close(top_left.float(), ref, atol=2e-2, rtol=0)
 
 
-def test_gluon_forward_causal_load(poison, monkeypatch):
-    """Causal calls long enough for the Gluon forward take it only with configs.GLUON_CAUSAL_MIN_LOAD
-    blocks of 128 keys on its busiest program (fwd_sm90.causal_load on this GPU's programs), else
-    the Triton forward: llama heads at S=1024 with B=1 and 4, and S=2048 with B=1 (on the H200's
-    132 SMs, 9, 36 and 34 blocks: the Triton forward, then the Gluon one twice). Within the
-    reference's tolerance either way."""
-    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
-        pytest.skip("the Gluon forward runs on sm_90 GPUs only")
-    torch.manual_seed(17)
-    taken = []
-    for B, S in [(1, 1024), (4, 1024), (1, 2048)]:
-        q, k, v = random_qkv(B, S, S, 32, 8, 128, BF16, DEVICE)
-        names = _launched(monkeypatch)
-        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-        load = fwd.fwd_sm90.causal_load(S, S, 0, B * 32, fwd.fwd_sm90.programs(q))
-        gluon = load >= configs.GLUON_CAUSAL_MIN_LOAD
-        assert ("_fwd_ws_kernel" in names) == gluon and ("_fwd_kernel" in names) != gluon, (B, S, load, names)
-        check_against_reference(q, k, v, out, lse, None, None, True)
-        taken.append(gluon)
-    assert any(taken) and not all(taken), taken  # the rule went both ways (any GPU of 64-255 SMs)
-
-
-def test_gluon_forward_not_taken(monkeypatch, any_causal_load):
+def test_gluon_forward_not_taken(monkeypatch):
     """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64 causal
     at 2048 (under its length), a window's left edge, ALiBi, forced tiles, and
     TRITONATTN_BATCH_INVARIANT; a varlen call with TRITONATTN_FWD_GLUON_VARLEN=0 and
@@ -465,7 +435,7 @@ def test_varlen_on_gpu(causal, poison):
 @pytest.mark.parametrize("D,programs", [(128, None), (128, 5), (64, None), (256, 5)],
                          ids=["D128-per-SM", "D128-5-programs", "D64-per-SM", "D256-5-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch, any_causal_load):
+def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
     """The Gluon kernels' variable-length paths (fwd.GLUON_VARLEN, bwd.GLUON_VARLEN), the forward on
     one program per SM and on 5 (many tiles each, tiles past a sequence skipped by every partition;
     causal, in sections of 3 heads): taken, each sequence within the reference's tolerance (out,

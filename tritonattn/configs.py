@@ -316,13 +316,6 @@ GLUON_MIN_SEQLEN = {
     "fwd": {64: (4096, 8192), 128: (512, 1024), 256: (1024, 4096)},
     "bwd_dkdv": {128: (512, 2048)},
 }
-# With a causal mask (or a window's right edge) the Gluon forward also needs enough work per
-# program: at least this many blocks of 128 keys on its busiest program (fwd_sm90.causal_load),
-# else the Triton forward serves the call. Measured on the H200 (fourteenth session, llama heads,
-# D=128, graph replays), the Gluon forward x the Triton one with its load: S=1024 B=1 0.90x (9
-# blocks), B=2 0.97x (18), B=4 1.01x (36); S=1536 B=1 0.88x (26); S=2048 B=1 1.09x (34), B=2 / 4
-# 1.14x (68 / 136); S=4096 B=1-4 1.14x.
-GLUON_CAUSAL_MIN_LOAD = 32
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {

@@ -259,8 +259,7 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
     checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense (or variable
     length when the caller passes ``varlen``, judged by the longest sequences), no variant but a
     causal mask or a window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN``
-    long (the forward with a mask: also configs.GLUON_CAUSAL_MIN_LOAD key blocks on its busiest
-    program), Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
+    long, Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
     TRITONATTN_BATCH_INVARIANT (the length rule would pick different kernels for a packed
     sequence and its own dense call), and no tile of this mode forced (``configs.override``: the
     tests and the tuner time the Triton kernels')."""
@@ -272,9 +271,6 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
     B, Sq, Sk, Hq, Hkv, _ = var.dims(q, k)
     shortest = configs.GLUON_MIN_SEQLEN[mode][q.shape[-1]][var.win_right is not None]
     if Sk == 0 or max(Sq, Sk) < shortest:
-        return False
-    if mode == "fwd" and var.win_right is not None and fwd_sm90.causal_load(
-            Sq, Sk, Sk - Sq + var.window_args()[1], B * Hq, fwd_sm90.programs(q)) < configs.GLUON_CAUSAL_MIN_LOAD:
         return False
     # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a
     # program per kv head on the grid's y axis

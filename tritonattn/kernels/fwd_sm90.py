@@ -378,37 +378,9 @@ def _fwd_ws_kernel(
     ], [4, 1], [240, 24])
 
 
-def programs(q) -> int:
-    """The persistent grid's programs on the device of q: one per SM, ``PROGRAMS`` when set (tests
-    run many tiles per program); :func:`grid` gives tiles fewer."""
-    return PROGRAMS or sm_count(q.device)
-
-
 def grid(q, n_tiles: int) -> tuple[int]:
-    """:func:`programs`, at most one per tile."""
-    return (min(n_tiles, programs(q)),)
-
-
-def causal_load(sq: int, sk: int, shift: int, bh: int, n_programs: int) -> float:
-    """About how many blocks of BLOCK_M keys the busiest program of the causal order (see _tile)
-    runs, for ``bh`` heads of ``sq`` queries and ``sk`` keys, query i seeing keys j <= i + shift,
-    on ``n_programs`` programs. Query block i sees min(Sk, (i + 1) BLOCK_M + shift) keys: i + 1 +
-    cdiv(shift, BLOCK_M) blocks, at least 0, at most cdiv(Sk, BLOCK_M). With pairs, a program runs
-    cdiv(pairs, programs) pairs of two mean blocks each (exact where no block is clipped at 0 or Sk
-    keys: the two blocks of a pair add to the same count); with a tile per program, the heaviest
-    tile. What the persistent grid's fixed costs (per program and per tile) are spread over:
-    fwd.gluon_serves compares it with configs.GLUON_CAUSAL_MIN_LOAD."""
-    bm = BLOCK_M.value
-    n_m, n_k, s = -(-sq // bm), -(-sk // bm), -(-shift // bm)
-
-    def upto(x: int) -> int:  # the sum of min(j, n_k) over j = 1 .. x
-        x = max(x, 0)
-        return x * (x + 1) // 2 if x <= n_k else n_k * (n_k + 1) // 2 + (x - n_k) * n_k
-
-    if n_m * bh <= n_programs:
-        return min(max(n_m + s, 0), n_k)
-    pairs = (n_m + 1) // 2 * bh
-    return -(-pairs // n_programs) * 2 * (upto(n_m + s) - upto(s)) / n_m
+    """One program per SM (``PROGRAMS`` when set: tests run many tiles per program), at most one per tile."""
+    return (min(n_tiles, PROGRAMS or sm_count(q.device)),)
 
 
 def section_heads(bh: int, group: int, keys: int, q) -> int:
