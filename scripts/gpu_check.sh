@@ -12,6 +12,7 @@
 #                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times),
 #                                        gluon-fwd / gluon-bwd (only when named): benchmarks/experiments/
 #                                        tune_gluon_{fwd,bwd}.py $GLUON_FWD_ARGS / $GLUON_BWD_ARGS
+#                                        (several runs separated by ';')
 #   TUNE_ARGS="--modes fwd ...;..."      also run scripts/tune.py with these arguments (after the bench;
 #                                        several runs separated by ';')
 #   TUNE_DECODE_ARGS="--batches 64"      scripts/tune_decode.py with these arguments (before the tune runs)
@@ -88,12 +89,18 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
   # shellcheck disable=SC2086
   [[ $extras == *" profile "* ]] && python3 scripts/profile_case.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.md"
   [[ $extras == *" example "* ]] && python3 examples/hf_llama.py 2>&1 | tee "$OUT/hf_llama-example.log" | tail -15
-  # shellcheck disable=SC2086
-  [[ $extras == *" gluon-fwd "* ]] && python3 benchmarks/experiments/tune_gluon_fwd.py ${GLUON_FWD_ARGS:-} 2>&1 \
-    | tee "$OUT/gluon-fwd.md" | tail -30
-  # shellcheck disable=SC2086
-  [[ $extras == *" gluon-bwd "* ]] && python3 benchmarks/experiments/tune_gluon_bwd.py ${GLUON_BWD_ARGS:-} 2>&1 \
-    | tee "$OUT/gluon-bwd.md" | tail -30
+  # the Gluon tuners: several runs separated by ';' log to gluon-fwd.md, gluon-fwd1.md, ...
+  for mode in fwd bwd; do
+    [[ $extras == *" gluon-$mode "* ]] || continue
+    args_var=GLUON_${mode^^}_ARGS
+    IFS=';' read -ra gluon_runs <<< "${!args_var:-}"
+    [ ${#gluon_runs[@]} -eq 0 ] && gluon_runs=("")
+    for i in "${!gluon_runs[@]}"; do
+      # shellcheck disable=SC2086
+      python3 benchmarks/experiments/tune_gluon_$mode.py ${gluon_runs[$i]} 2>&1 \
+        | tee "$OUT/gluon-$mode$( [ "$i" -gt 0 ] && echo "$i" ).md" | tail -30
+    done
+  done
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
