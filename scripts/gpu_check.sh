@@ -16,7 +16,7 @@
 #   TUNE_ARGS="--modes fwd ...;..."      also run scripts/tune.py with these arguments (after the bench;
 #                                        several runs separated by ';')
 #   TUNE_DECODE_ARGS="--batches 64"      scripts/tune_decode.py with these arguments (before the tune runs)
-#   TUNE_WALL=200                        stop each tuner run after this many seconds
+#   TUNE_WALL=200                        stop each tuner run (and each Gluon tuner run) after this many seconds
 #   TESTS_WALL=540                       stop the test run after this many seconds (SIGINT: pytest still
 #                                        prints its summary; tracebacks also in test-failures.log)
 #   PYTEST_ARGS="tests/a.py;tests/b.py"  two test groups: one per GPU on a two-GPU machine
@@ -96,9 +96,13 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
     IFS=';' read -ra gluon_runs <<< "${!args_var:-}"
     [ ${#gluon_runs[@]} -eq 0 ] && gluon_runs=("")
     for i in "${!gluon_runs[@]}"; do
+      log="$OUT/gluon-$mode$( [ "$i" -gt 0 ] && echo "$i" ).md"
       # shellcheck disable=SC2086
-      python3 benchmarks/experiments/tune_gluon_$mode.py ${gluon_runs[$i]} 2>&1 \
-        | tee "$OUT/gluon-$mode$( [ "$i" -gt 0 ] && echo "$i" ).md" | tail -30
+      timeout "${TUNE_WALL:-0}" python3 benchmarks/experiments/tune_gluon_$mode.py ${gluon_runs[$i]} 2>&1 \
+        | tee "$log" | tail -30
+      rc=${PIPESTATUS[0]}
+      # the tuners check each kernel against the reference first (FAIL lines, exit 1)
+      [ "$rc" -ne 0 ] && { echo "gluon-$mode run $i exited $rc"; grep -m 20 "^FAIL" "$log"; status=1; }
     done
   done
 fi

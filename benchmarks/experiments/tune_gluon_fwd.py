@@ -133,20 +133,25 @@ def bench(seqlens, head_dims, tiles, tokens, sections, batches=None) -> None:
                     times["triton"] = graph_time(lambda: flash_attn_func(q, k, v, causal=causal))
                 finally:
                     fwd.GLUON = gluon_default
-                for tile, sec in [(t, None) for t in tiles] + [(tiles[0], n) for n in sections if causal]:
-                    rule = fwd_sm90.section_heads(B * Hq, Hq // Hkv, S, q)
+                # causal, also without pairs: a program per tile, heaviest first, dealt by the hardware as
+                # SMs free up (only where the tiles outnumber the SMs: else it is the default launch)
+                tiles_n = triton.cdiv(S, fwd_sm90.BLOCK_M.value) * B * Hq
+                per_tile = causal and tiles_n > torch.cuda.get_device_properties(q.device).multi_processor_count
+                rule = fwd_sm90.section_heads(B * Hq, Hq // Hkv, S, q)  # the default order's section
+                runs = [(f"gluon {t}" + (f" section {rule}" if causal else ""), t, None, None) for t in tiles]
+                runs += [(f"gluon {tiles[0]} section {n}", tiles[0], n, None) for n in sections if causal]
+                runs += [(f"gluon {tiles[0]} program per tile", tiles[0], None, tiles_n)] if per_tile else []
+                for name, tile, sec, programs in runs:
                     fwd_sm90.HEADS_PER_SECTION = sec
-                    name = f"gluon {tile}" + (f" section {rule if sec is None else sec}" if causal else "")
                     try:
-                        times[name] = graph_time(lambda tile=tile: run(q, k, v, causal, tile, poison=False))
+                        times[name] = graph_time(
+                            lambda tile=tile, programs=programs: run(q, k, v, causal, tile, programs=programs,
+                                                                     poison=False))
                     except Exception as e:  # noqa: BLE001 (a tile that does not fit: reported, the sweep goes on)
-                        print(f"| {D} | {S} | {B} | {causal} | gluon {tile} | {type(e).__name__}: {str(e)[:80]} |||")
+                        why = str(e).splitlines()[0][:80].replace("|", "/") if str(e) else ""
+                        print(f"| {D} | {S} | {B} | {causal} | {name} | {type(e).__name__}: {why} | | | |")
                     finally:
                         fwd_sm90.HEADS_PER_SECTION = None
-                if causal:  # no pairs: a program per tile, heaviest first, dealt by the hardware as SMs free up
-                    tiles_n = triton.cdiv(S, fwd_sm90.BLOCK_M.value) * B * Hq
-                    times[f"gluon {tiles[0]} program per tile"] = graph_time(
-                        lambda: run(q, k, v, causal, tiles[0], programs=tiles_n, poison=False))
                 for name, ms in times.items():
                     print(f"| {D} | {S} | {B} | {causal} | {name} | {ms:.4f} | {flops / ms / 1e9:.1f} | "
                           f"{times['cudnn'] / ms:.2f} | {times['triton'] / ms:.2f} |", flush=True)
