@@ -1,7 +1,7 @@
 """Host-side (Python) overhead per call, on the GPU: tiny problems whose GPU work takes a few
-microseconds, called back to back; the wall time per call is then the host time. Also prints the
-forward's time in parts (its Python, its launch, its allocations) and a cProfile breakdown of the
-slowest entry points so the cost can be placed.
+microseconds, called back to back; the wall time per call is then the host time. The forward is
+also timed in parts (with its launch stubbed: its Python and allocations; its cached launch alone;
+its allocations alone), and a cProfile breakdown of the slowest entry points places the cost.
 
     python scripts/overhead.py            # table on stdout, profile under $OUT/overhead-profile.txt
 
@@ -106,9 +106,37 @@ def main() -> int:
         finally:
             plan.replay = real
 
+    @contextlib.contextmanager
+    def launch_stubbed():
+        # a replayed call's cached launches do nothing: what is left is its Python and allocations
+        real, launch.run_cached = launch.run_cached, (lambda entry, grid, args: None)
+        try:
+            yield
+        finally:
+            launch.run_cached = real
+
+    # the forward's parts beside it: its cached launch alone, replayed with the arguments a replay
+    # passed (Triton's C launcher and the driver), and its two allocations alone
+    for _ in range(3):  # the plan, then its compiled entries (kept from the second replay on)
+        tritonattn.flash_attn_func(q, k, v, causal=True)
+    recorded, real_run = [], launch.run_cached
+    launch.run_cached = lambda entry, grid, args: recorded.append((entry, grid, args))
+    try:
+        tritonattn.flash_attn_func(q, k, v, causal=True)
+    finally:
+        launch.run_cached = real_run
+    if len(recorded) == 1:
+        cases["flash_attn_func fwd: its cached launch alone (C launcher, driver)"] = lambda: real_run(*recorded[0])
+    else:
+        print(f"{len(recorded)} cached launches recorded for the forward (expected 1): no launch-alone row")
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    cases["flash_attn_func fwd: its two allocations alone (out, lse)"] = lambda: (
+        torch.empty_like(q), torch.empty(lse_shape, device=dev))
+
     settings = {"default": contextlib.nullcontext, "empty hook chains passed": hook_chains_passed,
-                "launch plans off": plans_off}
-    only = {"empty hook chains passed": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
+                "launch plans off": plans_off, "launch stubbed": launch_stubbed}
+    only = {"launch stubbed": ("flash_attn_func fwd (no grad)", "attention_forward launcher alone"),
+            "empty hook chains passed": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
                                          "flash_attn_with_kvcache (Sq=1, int seqlens)",
                                          "attention_backward launcher alone (no autograd)",
                                          "attention_forward launcher alone"),
@@ -131,7 +159,6 @@ def main() -> int:
     for name in cases:
         cells = [f"{statistics.median(samples[name, st]):.1f}" if (name, st) in samples else "-" for st in settings]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-    breakdown(q, k, v, rounds)
     import triton
 
     hook = triton.knobs.runtime.launch_enter_hook
@@ -150,52 +177,6 @@ def main() -> int:
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
             f.write(f"## {name} (200 calls)\n{s.getvalue()}\n")
     return 0
-
-
-def breakdown(q, k, v, rounds: int) -> None:
-    """The forward's host time (``flash_attn_func`` on the table's tiny causal call, no grad) in
-    parts, each the median of interleaved rounds: the whole call; its Python with the kernel launch
-    stubbed (the plan replay's two allocations included); the cached launch alone, replayed with
-    the recorded arguments (Triton's C launcher and the driver); the two allocations alone."""
-    import statistics
-
-    from tritonattn.kernels import launch
-
-    real = launch.run_cached
-    recorded = []
-    launch.run_cached = lambda entry, grid, args: recorded.append((entry, grid, args))
-    try:
-        tritonattn.flash_attn_func(q, k, v, causal=True)  # a plan replay (the table ran this call)
-    finally:
-        launch.run_cached = real
-    if len(recorded) != 1:
-        print(f"\nbreakdown: {len(recorded)} cached launches recorded for the forward (expected 1); skipped")
-        return
-    entry, grid, args = recorded[0]
-    real(entry, grid, args)  # (the recorded call launched nothing: run it once for its output)
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-
-    def stubbed():
-        launch.run_cached = lambda entry, grid, args: None
-        try:
-            tritonattn.flash_attn_func(q, k, v, causal=True)
-        finally:
-            launch.run_cached = real
-
-    parts = {
-        "flash_attn_func fwd (no grad), whole": lambda: tritonattn.flash_attn_func(q, k, v, causal=True),
-        "  its Python, the launch stubbed (allocations included)": stubbed,
-        "  its cached launch alone (Triton's C launcher, driver)": lambda: real(entry, grid, args),
-        "  its two allocations alone (out, lse)": lambda: (torch.empty_like(q),
-                                                           torch.empty(lse_shape, device=q.device)),
-    }
-    samples: dict = {}
-    for _ in range(rounds):
-        for name, fn in parts.items():
-            samples.setdefault(name, []).append(per_call_us(fn, n=200))
-    print("\n| forward, in parts | us |\n|---|---|")
-    for name in parts:
-        print(f"| {name} | {statistics.median(samples[name]):.1f} |", flush=True)
 
 
 if __name__ == "__main__":
