@@ -308,12 +308,15 @@ SHORT_SEQLEN = 1024
 # 512 (the whole backward +5..+7% at 512-2048, graph replays, B=4); with one from 2048, where its
 # programs are enough for the causal imbalance (B=4: +0% at 2048, +4..+9% from 4096, but -14% at
 # 1024 with 256 programs; alone 1.07-1.08x at 512 / 1024 with B=32 / 16)
-# The forward at D=64 (128-key blocks, 4 slots) and D=256 (64-key blocks, 2 slots), thirteenth
-# session, x the Triton kernel (without / with a mask): D=64 0.98x / 0.92x at 2048, 1.04x / 0.97x
-# at 4096, 1.05-1.06x / 1.00-1.02x at 8192-16384; D=256 1.05x / 0.93x at 1024, 1.11x / 0.95x at
-# 2048, 1.14x / 1.03x at 4096, 1.14-1.16x / 1.03-1.04x at 8192-16384.
+# The forward at D=64 (128-key blocks, 4 slots) and D=256 (64-key blocks, 2 slots), x the Triton
+# kernel (without / with a mask), fifteenth session (the tuner's Gluon timings no longer pay two
+# fills per replay; fa shape, 16k tokens): D=64 0.99x / 0.82x at 1024, 1.03x / 0.94x at 2048,
+# 1.07x / 1.01x at 4096, 1.06x / 1.01x at 8192; D=256 1.13x / 1.10x at 1024, 1.16x / 1.09x at
+# 2048, 1.18x / 1.10x at 4096. D=128 remeasured the same way (B=1, 2, 4, 16-32) kept its lengths:
+# causal 0.89-0.97x at 512, 1.04-1.17x at 1024 (S=1536 B=1, 192 pairs on 132 programs: 0.97x);
+# without a mask 0.95x at 512 B=1, 1.11-1.47x at B >= 2, 1.16-1.47x from 1024.
 GLUON_MIN_SEQLEN = {
-    "fwd": {64: (4096, 8192), 128: (512, 1024), 256: (1024, 4096)},
+    "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
     "bwd_dkdv": {128: (512, 2048)},
 }
 WIDE_PROGRAMS = 2048
