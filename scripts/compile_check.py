@@ -184,9 +184,9 @@ def main(argv=None) -> int:
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
-                # the short forward's tile for many query tiles (configs.WIDE_PROGRAMS; plain calls only)
+                # the short forward's tile for many query tiles (configs.WIDE_PROGRAMS; plain dense calls:
+                # a packed sequence takes what its own dense call, of one sequence, takes)
                 (f"full-wide-{dt}", 128, dtypes[dt], {}, dict(b=256)),
-                (f"varlen-wide-{dt}", 128, dtypes[dt], {}, dict(b=256, varlen=True)),
                 (f"window-{dt}", 128, dtypes[dt], dict(win_left=64, win_right=0), {}),
                 (f"softcap-alibi-{dt}", 128, dtypes[dt], dict(base, softcap=30.0, alibi_slopes=alibi), {}),
                 (f"bias-grad-{dt}", 128, dtypes[dt], dict(base, bias=bias.expand(2, 4, S, S)), dict(bias_grad=True)),

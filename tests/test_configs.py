@@ -273,12 +273,12 @@ def test_forward_launcher_passes_plain(monkeypatch):
     cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20)
     flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20, causal=True)
-    assert seen == [True, False, False, True, False]
+    assert seen == [True, False, False, True, True, False, False]  # varlen: a class's first and last length
 
 
 def test_backward_launcher_passes_the_longest_length(monkeypatch):
-    """The backward asks for its dK/dV and dQ tiles with max(seqlen_q, seqlen_k) (varlen: the
-    max_seqlens)."""
+    """The backward asks for its dK/dV and dQ tiles with max(seqlen_q, seqlen_k) (varlen: once per
+    length class at its first and last length, here one class: 1 and the longest max_seqlen)."""
     from tritonattn import flash_attn_func, flash_attn_varlen_func
 
     seen = []
@@ -302,19 +302,21 @@ def test_backward_launcher_passes_the_longest_length(monkeypatch):
     cu = torch.tensor([0, 30, 37], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True).sum().backward()
-    assert sorted(seen) == [("backward_dkdv_config", 40), ("backward_dq_config", 40)]
+    assert sorted(seen) == [("backward_dkdv_config", 1), ("backward_dkdv_config", 40), ("backward_dq_config", 1),
+                            ("backward_dq_config", 40)]
 
 
 def test_forward_launcher_passes_the_longest_length(monkeypatch):
-    """attention_forward asks for its tile with max(seqlen_q, seqlen_k): max_seqlen for varlen, the
-    cache's capacity for a kv cache, the block table's span for a paged one (whose k is one page)."""
+    """attention_forward asks for its tile with max(seqlen_q, seqlen_k): for varlen once per length
+    class at its first and last length (here one class: 1 and the longest max_seqlen), the cache's
+    capacity for a kv cache, the block table's span for a paged one (whose k is one page)."""
     from tritonattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
     seen, real = [], configs.forward_config
 
-    def spy(q, causal, extra_smem=False, seqlen=0, plain=False):
+    def spy(q, causal, extra_smem=False, seqlen=0, plain=False, rows=None):
         seen.append((causal, seqlen))
-        return real(q, causal, extra_smem, seqlen, plain)
+        return real(q, causal, extra_smem, seqlen, plain, rows)
 
     monkeypatch.setattr(configs, "forward_config", spy)
     q = torch.randn(1, 37, 2, 16, dtype=torch.float16, device=DEVICE)
@@ -326,7 +328,7 @@ def test_forward_launcher_passes_the_longest_length(monkeypatch):
     cu = torch.tensor([0, 30, 37], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 30, 40, causal=True)  # max_seqlen_k above the longest
-    assert seen == [(True, 40)]
+    assert seen == [(True, 1), (True, 40)]
     seen.clear()
     qd = torch.randn(2, 40, 2, 16, dtype=torch.float16, device=DEVICE)  # 80 query rows per kv head: the forward kernel
     cache = torch.randn(2, 300, 1, 16, dtype=torch.float16, device=DEVICE)

@@ -257,26 +257,40 @@ def _recorded_varlen_call(monkeypatch, module):
     return seen, cu_q, cu_k, (q, k, v), var
 
 
+def _after(args: tuple, tensor, skip: int, n: int) -> tuple:
+    """The ``n`` arguments ``skip`` places after ``tensor`` (found by identity) in a launch's ``args``."""
+    i = next(i for i, a in enumerate(args) if a is tensor)
+    return tuple(args[i + skip:i + skip + n])
+
+
 def test_varlen_launch(monkeypatch):
-    """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded):
-    IS_VARLEN, a persistent grid (tiles: the longest sequence's query blocks by batch x heads), the cu_seqlens
-    tensors and the packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
+    """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded), a
+    launch per length class: the sequences under the Gluon forward's causal length (here the one of
+    100 keys) through the Triton kernel, on a grid of no more query blocks than that length has;
+    the others through the Gluon kernel: IS_VARLEN, a persistent grid (tiles: the longest
+    sequence's query blocks by batch x heads), the cu_seqlens tensors, the class's lengths and the
+    packed layout's strides (batch stride 0, lse (Hq, total) with batch stride 0)."""
     from tritonattn.kernels import fwd_sm90
+    from tritonattn.kernels.common import LENGTH_CAP
 
     monkeypatch.setattr(fwd_sm90, "PROGRAMS", 10**6)
     seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, fwd)
     out, lse = fwd.attention_forward(q, k, v, var)
     assert lse.shape == (8, 3001)
-    ((name, grid, args, kwargs),) = seen
+    first = configs.GLUON_MIN_SEQLEN["fwd"][128][1]
+    (short, s_grid, s_args, s_kwargs), (name, grid, args, kwargs) = seen
+    assert short == "_fwd_kernel" and s_kwargs["IS_VARLEN"], short
+    assert _after(s_args, cu_k, 3, 2) == (0, first)  # after cu_q, cu_k and the lse strides
+    assert s_grid[0] == -(-(first - 1) // s_kwargs["BLOCK_M"]), s_grid
     assert name == "_fwd_ws_kernel" and kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
     # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
     # most one per tile: the longest sequence's query blocks x sequences x heads
     assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8,), grid
     # then B x Hq and the causal order's heads per section
     assert args[-2] == 2 * 8 and args[-1] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
-    assert args[5] is cu_q and args[6] is cu_k
-    assert args[7:10] == (0, 8 * 128, 128) and args[19:21] == (0, 3001)  # q (batch, row, head), lse (batch, head)
-    assert args[21:25] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences
+    assert args[5] is cu_q and args[6] is cu_k and args[7:9] == (first, LENGTH_CAP)
+    assert args[9:12] == (0, 8 * 128, 128) and args[21:23] == (0, 3001)  # q (batch, row, head), lse (batch, head)
+    assert args[23:27] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences
 
 
 def test_causal_section_heads():
@@ -298,22 +312,33 @@ def test_causal_section_heads():
 
 def test_varlen_dkdv_launch(monkeypatch):
     """A varlen backward through the Gluon dK/dV kernel (bwd.GLUON_VARLEN; CPU tensors as if on
-    sm_90; launches recorded): the Triton dQ kernel first, then the Gluon kernel with IS_VARLEN, a
-    grid of the longest sequence's key blocks by sequences x kv heads, the cu_seqlens tensors and the
-    packed layout's strides (batch stride 0; lse / delta (Hq, total_q))."""
+    sm_90; launches recorded): the Triton dQ kernel first (one length class: the interpreter's tile
+    at every length), then a dK/dV launch per length class: the Triton kernel for the sequences
+    under the Gluon kernel's causal length, on no more key blocks than that length has, and the
+    Gluon kernel with IS_VARLEN, a grid of the longest sequence's key blocks by sequences x kv
+    heads, the cu_seqlens tensors, the class's lengths and the packed layout's strides (batch
+    stride 0; lse / delta (Hq, total_q))."""
     from tritonattn.kernels import bwd_sm90, launch
+    from tritonattn.kernels.common import LENGTH_CAP
 
     seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, bwd)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(8, 3001)
     bwd.attention_backward(do, q, k, v, out, lse, var)
-    assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], seen
-    _, grid, args, kwargs = seen[1]
-    assert len(args) == 37  # the kernel's runtime arguments, then its constexprs from the keywords
+    assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel", "_bwd_dkdv_ws_kernel"], seen
+    first = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][1]
+    _, dq_grid, dq_args, dq_kwargs = seen[0]
+    assert _after(dq_args, cu_k, 3, 2) == (0, LENGTH_CAP)
+    assert dq_grid[0] == -(-3000 // dq_kwargs["BLOCK_M"]), dq_grid
+    _, t_grid, t_args, t_kwargs = seen[1]
+    assert _after(t_args, cu_k, 3, 2) == (0, first)
+    assert t_grid[0] == -(-(first - 1) // t_kwargs["BLOCK_N"]), t_grid
+    _, grid, args, kwargs = seen[2]
+    assert len(args) == 39  # the kernel's runtime arguments, then its constexprs from the keywords
     launch.tail_values(bwd_sm90._bwd_dkdv_ws_kernel, len(args), kwargs)
     assert kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
     assert grid == (-(-2500 // bwd_sm90.BLOCK_N), 2 * 2), grid
-    assert args[8] is cu_q and args[9] is cu_k
-    assert args[10:13] == (0, 8 * 128, 128) and args[13:16] == (0, 2 * 128, 128)  # q, k (batch, row, head)
-    assert args[28:30] == (0, 3001)  # lse / delta (batch, head)
-    assert args[30:34] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
-    assert args[34] == 0 and args[36] == SCALE  # the causal edge, and the softmax scale for dK
+    assert args[8] is cu_q and args[9] is cu_k and args[10:12] == (first, LENGTH_CAP)
+    assert args[12:15] == (0, 8 * 128, 128) and args[15:18] == (0, 2 * 128, 128)  # q, k (batch, row, head)
+    assert args[30:32] == (0, 3001)  # lse / delta (batch, head)
+    assert args[32:36] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
+    assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK

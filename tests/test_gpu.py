@@ -466,11 +466,12 @@ def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
     gluon_fwd = longest >= configs.GLUON_MIN_SEQLEN["fwd"][D][causal]
     # what the case is for: D=64 causal under its Gluon length (the Triton forward), every other case over
     assert gluon_fwd == (D != 64 or not causal), "configs.GLUON_MIN_SEQLEN moved: change the lengths above"
-    assert ("_fwd_ws_kernel" in names) == gluon_fwd and ("_fwd_kernel" in names) != gluon_fwd, names
+    # a launch per length class: the short sequences' class always takes the Triton kernels
+    assert ("_fwd_ws_kernel" in names) == gluon_fwd and "_fwd_kernel" in names, names
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    gluon_bwd = D in bwd.bwd_sm90.TILES
-    assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
+    gluon_bwd = D in bwd.bwd_sm90.TILES and longest >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][causal]
+    assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and "_bwd_dkdv_kernel" in names, names
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
         if lq == 0:  # keys that no query sees (their buffers start at 0: a result check)
@@ -481,22 +482,28 @@ def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
             continue
         check_against_reference(q[qs][None], k[ks][None], v[ks][None], out[qs][None], lse[:, qs][None],
                                 (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], causal)
-        if max(lq, lk) >= configs.GLUON_MIN_SEQLEN["fwd"][D][causal]:  # its dense call takes the Gluon forward
-            ob, lseb, _ = flash_attn_func(q.detach()[qs][None], k.detach()[ks][None], v.detach()[ks][None],
-                                          causal=causal, return_attn_probs=True)
-            assert torch.equal(out[qs], ob[0]) and torch.equal(lse[:, qs], lseb[0]), b
+        # bitwise what its own dense call gives, whichever kernel and tile its length picks
+        qb, kb, vb = (t.detach()[sl][None].requires_grad_() for t, sl in ((q, qs), (k, ks), (v, ks)))
+        ob, lseb, _ = flash_attn_func(qb, kb, vb, causal=causal, return_attn_probs=True)
+        gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[qs][None])
+        assert torch.equal(out[qs], ob[0]) and torch.equal(lse[:, qs], lseb[0]), b
+        assert torch.equal(dq[qs], gq[0]) and torch.equal(dk[ks], gk[0]) and torch.equal(dv[ks], gv[0]), b
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch):
-    """With TRITONATTN_BATCH_INVARIANT, a sequence of a packed batch gives bitwise what a dense call
-    on it alone gives, where the default would pick other tiles for the two calls: a short
-    non-causal batch with many query tiles (the wide tile), and a causal batch longer than
-    configs.SHORT_SEQLEN holding short sequences (the short tiles)."""
-    monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
-    lens = [1500, 700, 1, 1024, 333] * 2 if causal else [1000, 1, 777, 1024, 513] * 5
+def test_varlen_bitwise_equals_dense_on_gpu(causal, invariant, poison, monkeypatch):
+    """A sequence of a packed batch gives bitwise what a dense call on it alone gives, where the
+    lengths pick other kernels or tiles for the packed call's sequences: a short non-causal batch
+    with many query tiles (the wide tile, dense calls only), and a causal batch longer than
+    configs.SHORT_SEQLEN holding short sequences (the short tiles) and long ones (the Gluon
+    kernels). By default through a launch per length class (launch.length_classes); with
+    TRITONATTN_BATCH_INVARIANT through one tile for every length."""
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", invariant)
+    plan.clear()
+    lens = [2500, 700, 1, 1024, 333, 1500] * 2 if causal else [1000, 1, 777, 1024, 513, 300] * 5
     cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 32, 8, causal, seed=3)
-    for b in (1, 2, 4):  # sequences the default would give other tiles than their own dense call
+    for b in range(6):
         s0, s1 = cu[b].item(), cu[b + 1].item()
         qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t in (q, k, v))
         ob, lseb, _ = flash_attn_func(qb, kb, vb, causal=causal, return_attn_probs=True)
@@ -505,11 +512,16 @@ def test_batch_invariant_varlen_equals_dense_on_gpu(causal, poison, monkeypatch)
         assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), b
 
 
-def test_varlen_short_wide_forward_tile(poison, monkeypatch):
-    """A short varlen call without causal masking and with many query tiles (ragged, an empty and
-    a length-1 sequence) takes the wide tile when the Triton forward serves it (on sm_90 the Gluon
-    forward serves it by default: turned off here), and matches the reference."""
+def test_wide_forward_tile_dense_only(poison, monkeypatch):
+    """The wide short forward tile follows the call's tile count, so only dense calls take it: a
+    short varlen call without causal masking and with many query tiles in all (ragged, an empty
+    and a length-1 sequence; 13260 tokens x 32 heads / 128: 3315 tiles) takes, for each length
+    class, the tile a dense call of one such sequence takes (the table's: one sequence has few
+    tiles), and matches the reference; a dense batch with as many tiles takes the wide tile. The
+    Gluon forward (which serves both by default on sm_90) is off here."""
     monkeypatch.setattr(fwd, "GLUON_VARLEN", False)
+    monkeypatch.setattr(fwd, "GLUON", False)
+    plan.clear()
     picked, real = [], configs.forward_config
 
     def spy(*args, **kwargs):
@@ -517,10 +529,14 @@ def test_varlen_short_wide_forward_tile(poison, monkeypatch):
         return picked[-1]
 
     monkeypatch.setattr(configs, "forward_config", spy)
-    # 13260 tokens x 32 heads / 128: 3315 query tiles
+    wide = configs._SHORT_WIDE_FWD[128]
     cu, qkv, out, lse, dout, grads = _packed_run([1000, 1, 0, 777, 1024, 513] * 4, 32, 8, False, seed=2)
     check_varlen_against_reference(*qkv, out, lse, grads, dout, cu, False)
-    assert picked and picked[0] == configs._SHORT_WIDE_FWD[128], picked
+    assert picked and wide not in picked, picked
+    del picked[:]
+    q, k, v = random_qkv(32, 512, 512, 32, 8, 128, BF16, DEVICE)  # 4096 tiles
+    flash_attn_func(q, k, v)
+    assert picked == [wide], picked
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])

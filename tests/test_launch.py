@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tritonattn import configs
 from tritonattn.kernels import launch
 
 
@@ -88,3 +89,38 @@ def test_cached_launch_skips_empty_hook_chains_and_honours_real_hooks(monkeypatc
         assert seen == [("exit", meta)]
     else:
         assert meta is None and enter is None and exit_ is None
+
+
+def test_length_classes():
+    """A packed call's length classes: maximal runs of the longest side on which the route is the
+    same, from 0; breaks past the call's longest sequence dropped, the last class open to LENGTH_CAP."""
+    from tritonattn.kernels.common import LENGTH_CAP
+    from tritonattn.kernels.launch import length_classes
+
+    def route(n):
+        return "short" if n <= 1024 else "gluon" if n >= 2048 else "table"
+
+    breaks = {1025, 2048, 512, 32768}
+    assert length_classes(route, 5000, breaks) == [(0, 1025, "short"), (1025, 2048, "table"),
+                                                   (2048, LENGTH_CAP, "gluon")]
+    assert length_classes(route, 1500, breaks) == [(0, 1025, "short"), (1025, LENGTH_CAP, "table")]
+    assert length_classes(route, 700, breaks) == [(0, LENGTH_CAP, "short")]
+    assert length_classes(route, 0, breaks) == [(0, LENGTH_CAP, "short")]
+    # equal neighbours merge; equal routes apart stay apart
+    assert length_classes(lambda n: "a", 5000, breaks) == [(0, LENGTH_CAP, "a")]
+    assert length_classes(lambda n: "w" if 32 <= n < 41 else "t", 100, {32, 41, 50}) == [
+        (0, 32, "t"), (32, 41, "w"), (41, LENGTH_CAP, "t")]
+    # a rule changing where no break says so: an error, not a class with a wrong tile
+    with pytest.raises(RuntimeError, match="between lengths 1025 and 5000"):
+        length_classes(route, 5000, {1025})
+
+
+def test_length_breaks():
+    """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN, at each Gluon
+    kernel's first lengths, and at the rows from which one sequence has WIDE_PROGRAMS tiles."""
+    q = torch.empty(10, 32, 128)
+    breaks = configs.length_breaks(q)
+    assert configs.SHORT_SEQLEN + 1 in breaks and configs.WIDE_PROGRAMS * 128 // 32 in breaks
+    for lengths in configs.GLUON_MIN_SEQLEN.values():
+        for pair in lengths.values():
+            assert set(pair) <= breaks

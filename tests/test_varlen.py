@@ -50,21 +50,64 @@ CASES = [
     ([1, 1, 1], [100, 7, 64], 8, 2, 64, dict(causal=True)),
     ([50, 0, 77], [50, 5, 77], 2, 2, 80, dict(window_size=(16, 0))),
     ([40, 90], [90, 40], 4, 2, 32, dict(causal=True, softcap=10.0, alibi=True)),
+    ([35, 10, 50, 38], [35, 10, 50, 20], 4, 2, 32, dict()),  # length_tiles: wide, table, table, wide
 ]
+
+
+SHORT = 40  # length_tiles: calls of at most this many tokens take other tiles
+
+
+@pytest.fixture(params=[False, True], ids=["one-tile", "length-tiles"])
+def length_tiles(request, monkeypatch):
+    """True: tiles picked by a call's length here too, as the GPU's short tiles are (the
+    interpreter's table has one tile per kernel): causal calls of at most SHORT tokens take 16 x 16
+    tiles in the forward, dQ and dK/dV kernels, and plain forwards of at most SHORT tokens with at
+    least 128 rows x heads a 32 x 16 tile (the wide tile's rule, WIDE_PROGRAMS = 1). Launch plans are
+    cleared around the test (their keys do not hold the tables)."""
+    from tritonattn import configs
+    from tritonattn.kernels import plan
+
+    if request.param:
+        dims = (16, 32, 64, 128, 256)
+        small = configs.C(16, 16, 4, 1)
+        monkeypatch.setattr(configs, "SHORT_SEQLEN", SHORT)
+        monkeypatch.setattr(configs, "WIDE_PROGRAMS", 1)
+        monkeypatch.setattr(configs, "_short", lambda mode, q, seqlen: 0 < seqlen <= SHORT and mode not in
+                            configs._override)
+        monkeypatch.setattr(configs, "_SHORT_CAUSAL", {m: dict.fromkeys(dims, small)
+                                                       for m in ("fwd", "bwd_dkdv", "bwd_dq")})
+        monkeypatch.setattr(configs, "_SHORT_WIDE_FWD", dict.fromkeys(dims, configs.C(32, 16, 4, 1)))
+    plan.clear()
+    yield request.param
+    plan.clear()
 
 
 @pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv,D,kw", CASES,
                          ids=[f"q{'_'.join(map(str, c[0]))}-k{'_'.join(map(str, c[1]))}-H{c[2]}/{c[3]}-D{c[4]}"
                               for c in CASES])
-def test_varlen_equals_dense_per_sequence(lens_q, lens_k, Hq, Hkv, D, kw, poison):
+def test_varlen_equals_dense_per_sequence(lens_q, lens_k, Hq, Hkv, D, kw, poison, length_tiles, monkeypatch):
+    """Each sequence of a packed call gets bitwise the out, lse and gradients of its own dense call;
+    with length_tiles also where the sequences' lengths pick different tiles: the packed call then
+    launches each kernel once per length class (launch.length_classes)."""
+    from tritonattn.kernels import launch
+
     torch.manual_seed(sum(lens_q) + D)
     kw = dict(kw)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(len(lens_q), Hq, device=DEVICE)
     q, k, v = _ragged(lens_q, lens_k, Hq, Hkv, D, F16)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    names, real = [], launch.launch
+    monkeypatch.setattr(launch, "launch", lambda fn, *a: names.append(fn.__name__) or real(fn, *a))
     out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                                return_attn_probs=True, **kw)
+    longest = [max(a, b) for a, b in zip(lens_q, lens_k)]
+    if length_tiles and kw.get("causal") and min(longest) <= SHORT < max(longest):
+        assert names.count("_fwd_kernel") == 2, names  # the short sequences' class, and the others'
+    elif length_tiles and not kw:
+        assert names.count("_fwd_kernel") == 3, names  # under 32 tokens, 32 to SHORT (wide), longer
+    elif not length_tiles:
+        assert names.count("_fwd_kernel") == 1, names
     assert s_dmask is None and lse.shape == (Hq, sum(lens_q)) and out.shape == q.shape
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)

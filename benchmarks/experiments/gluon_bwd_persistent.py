@@ -211,7 +211,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float
     order's kv heads per section."""
     bh, group = k.shape[0] * k.shape[2], q.shape[2] // k.shape[2]
     args = bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, win_right, qk_scale, sm_scale)
-    return (*args[:8], *args[10:], bh, section_heads(bh, q, q.shape[1], group))  # (without the cu_seqlens)
+    # (without the cu_seqlens and the length class)
+    return (*args[:8], *args[12:], bh, section_heads(bh, q, q.shape[1], group))
 
 
 def grid(k, programs: int) -> tuple[int]:

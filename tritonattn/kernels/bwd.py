@@ -21,6 +21,7 @@ import triton.language as tl
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
+    LENGTH_CAP,
     LOG2E,
     dropout_keep,
     head_setup,
@@ -34,8 +35,8 @@ from tritonattn.kernels.common import (
     seq_bounds,
     tile_visible,
 )
-from tritonattn.kernels.fwd import _hopper, _need_allocator, _on_sm90, _tma_ok, gluon_serves
-from tritonattn.kernels.launch import cdiv, launch, program_grid
+from tritonattn.kernels.fwd import GLUON_ROUTE, _hopper, _need_allocator, _on_sm90, _tma_ok, gluon_serves
+from tritonattn.kernels.launch import cdiv, launch, length_classes, program_grid
 from tritonattn.kernels.variants import Variants
 
 try:  # Gluon ships with Triton, as an experimental API
@@ -189,7 +190,7 @@ def _bwd_dkdv_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
-    CU_Q, CU_K, stride_lse_b, stride_lse_h,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h, LEN_LO, LEN_HI,
     Hq, Hkv, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -209,9 +210,10 @@ def _bwd_dkdv_kernel(
     off_hk = off_bhk % Hkv
 
     start_n = pid_n * BLOCK_N
-    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN, LEN_LO, LEN_HI)
     if IS_VARLEN:
-        if start_n >= Sk:  # past this sequence's end (the grid covers max_seqlen_k)
+        # past this sequence's end (the grid covers the longest), or another length class's sequence
+        if start_n >= Sk:
             return
     Q += q_start * stride_qm
     DO += q_start * stride_dom
@@ -352,7 +354,7 @@ def _bwd_dq_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
-    CU_Q, CU_K, stride_lse_b, stride_lse_h,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h, LEN_LO, LEN_HI,
     Hq, GROUP, Sq, Sk, sm_scale, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -370,8 +372,8 @@ def _bwd_dq_kernel(
     off_hk = off_h // GROUP
 
     start_m = pid_m * BLOCK_M
-    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
-    if IS_VARLEN:
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN, LEN_LO, LEN_HI)
+    if IS_VARLEN:  # past this sequence's end, or another length class's sequence
         if start_m >= Sq:
             return
     Q += q_start * stride_qm
@@ -651,6 +653,26 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                  HEADS_FIRST=configs.heads_first(var.win_right is not None, k, B * Hq), TMA=tma)
     scales = (var.softmax_scale, *var.scale_args(), *var.window_args())
 
+    sm90 = aligned and _on_sm90(q)
+
+    def dq_route(longest: int):
+        """The dQ tile of a dense call whose longest side is ``longest``."""
+        return configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=longest)
+
+    def dkdv_route(longest: int):
+        """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
+        if not atomic_dq and sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
+            return GLUON_ROUTE
+        return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
+                                            seqlen=longest)
+
+    def classes(route):
+        """Packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
+        its own dense call gives; not on the atomic-dQ path (one dQ accumulator, and no such promise)."""
+        if var.varlen and not atomic_dq:
+            return length_classes(route, max(Sq, Sk), configs.length_breaks(q))
+        return [(0, LENGTH_CAP, route(max(Sq, Sk)))]
+
     # delta shares lse's strides (the kernels index both with them)
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
         b.unplanned(torch.empty_like(lse))
@@ -664,47 +686,51 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
             HEADS_FIRST=wide,
         ))
-    else:  # dQ first: its programs compute delta (rowsum(dO * O)) for the dK/dV kernel
-        _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch)
+    else:  # dQ first (every class): its programs compute delta (rowsum(dO * O)) for the dK/dV kernel
+        _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch,
+                   classes(dq_route))
 
     # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
     dq_tma = atomic_dq and _dq_tma_ok(q)
     if dq_tma:
         _need_allocator()
+    dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
 
-    def run_dkdv(cfg):
-        if atomic_dq:
-            dqa.zero_()  # a rerun (autotuning) must not add dQ twice
-        # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
-        split_grads = cfg.split_grads and not atomic_dq  # (the atomic path's dQ needs dS: one launch)
-        d_split = 1 if atomic_dq or split_grads else max(1, min(cfg.d_split, block_d // 16))
-        blocks = cdiv(Sk, cfg.block_n) * d_split
-        with b.all_or_none():  # split: dV, then dK, each over all of D (configs.fit may retry both)
-            for grads in ((1, 2) if split_grads else (3,)):
-                b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
-                    q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
-                    *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args,
-                    Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
-                ), dict(
-                    **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages, D_SPLIT=d_split, BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma,
-                    MASKED_STAGES=configs.DKDV_MASKED_STAGES, GRADS=grads,
-                ))
+    for lo, hi, cfg in classes(dkdv_route):
+        if cfg == GLUON_ROUTE:
+            block_m, stages = bwd_sm90.TILES[D]
+            seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
+                        lengths=(lo, hi)) if var.varlen else {}
+            b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
+                     bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
+                                          var.softmax_scale, **seqs),
+                     dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                          num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
+            continue
+        sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
-    if not atomic_dq and aligned and _gluon_ok(q, k, v, do, lse, dk, dv, var, _on_sm90(q)):
-        block_m, stages = bwd_sm90.TILES[D]
-        seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk)) if var.varlen else {}
-        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
-                 bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                      var.softmax_scale, **seqs),
-                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                      num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
-    else:
-        cfg = configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
-                                          seqlen=max(Sq, Sk))
-        dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
-        autotune.launch_tuned("bwd_dkdv", q, var.causal, Sq, Sk, dkdv_flags, cfg, run_dkdv)
+        def run_dkdv(cfg, lo=lo, hi=hi, sk=sk):
+            if atomic_dq:
+                dqa.zero_()  # a rerun (autotuning) must not add dQ twice (the atomic path has one class)
+            # the atomic dQ path adds dS K over all of D once; a split keeps >= 16 columns (the MMA's minimum)
+            split_grads = cfg.split_grads and not atomic_dq  # (the atomic path's dQ needs dS: one launch)
+            d_split = 1 if atomic_dq or split_grads else max(1, min(cfg.d_split, block_d // 16))
+            blocks = cdiv(sk, cfg.block_n) * d_split
+            with b.all_or_none():  # split: dV, then dK, each over all of D (configs.fit may retry both)
+                for grads in ((1, 2) if split_grads else (3,)):
+                    b.launch(_bwd_dkdv_kernel, program_grid(blocks, B * Hkv, flags["HEADS_FIRST"]), (
+                        q, k, v, do, lse, delta, dk, dv, *strides, *var.bshd_strides(dk), *var.bshd_strides(dv),
+                        *((dqa, *var.bshd_strides(dqa)) if atomic_dq else (q, 0, 0, 0, 0)), *var_args, lo, hi,
+                        Hq, Hkv, Hq // Hkv, Sq, Sk, *scales,
+                    ), dict(
+                        **flags, ATOMIC_DQ=atomic_dq, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, D_SPLIT=d_split,
+                        BLOCK_DA=block_d // d_split, DQ_TMA=dq_tma, MASKED_STAGES=configs.DKDV_MASKED_STAGES,
+                        GRADS=grads,
+                    ))
+
+        autotune.launch_tuned("bwd_dkdv", q, var.causal, min(Sq, hi - 1), sk, dkdv_flags, cfg, run_dkdv)
 
     if atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
@@ -738,14 +764,15 @@ GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
 GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
 
 
-def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool) -> bool:
+def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int | None = None) -> bool:
     """The Gluon dK/dV kernel serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): the rule it
     shares with the Gluon forward (fwd.gluon_serves, dO readable through descriptors too), plus the
     layouts its plain loads and stores take: lse (and delta, which shares its strides) with unit
     stride along the queries, dK / dV with unit stride along the head dim. Measured on the H200
     (benchmarks/NOTES.md, eleventh session): 1.06-1.24x the Triton dK/dV kernel at S=512-16384 with
     enough programs (configs.GLUON_MIN_SEQLEN)."""
-    return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do, varlen=GLUON_VARLEN)
+    return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do, varlen=GLUON_VARLEN,
+                                      longest=longest)
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
 
 
@@ -764,20 +791,24 @@ def _dq_tma_ok(q) -> bool:
             and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True))
 
 
-def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_args, scales, flags, launch_fn):
-    """The dQ kernel; it also writes ``delta`` (rowsum(dO * O)), which the dK/dV kernel reads."""
+def _launch_dq(q, k, v, do, lse, delta, dq, out, var: Variants, strides, var_args, scales, flags, launch_fn,
+               classes):
+    """The dQ kernel, a launch per length class ``(lo, hi, tile)`` (see attention_backward); it also
+    writes ``delta`` (rowsum(dO * O)), which the dK/dV kernel reads."""
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
+    for lo, hi, cfg in classes:
+        sq = min(Sq, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more rows
 
-    def run(cfg):
-        launch_fn(_bwd_dq_kernel, program_grid(cdiv(Sq, cfg.block_m), B * Hq, flags["HEADS_FIRST"]), (
-            q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), out, *var.bshd_strides(out), *var_args,
-            Hq, Hq // Hkv, Sq, Sk, *scales,
-        ), dict(
-            **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ))
+        def run(cfg, lo=lo, hi=hi, sq=sq):
+            launch_fn(_bwd_dq_kernel, program_grid(cdiv(sq, cfg.block_m), B * Hq, flags["HEADS_FIRST"]), (
+                q, k, v, do, lse, delta, dq, *strides, *var.bshd_strides(dq), out, *var.bshd_strides(out), *var_args,
+                lo, hi, Hq, Hq // Hkv, Sq, Sk, *scales,
+            ), dict(
+                **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ))
 
-    cfg = configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=max(Sq, Sk))
-    autotune.launch_tuned("bwd_dq", q, var.causal, Sq, Sk, flags, cfg, run)
+        autotune.launch_tuned("bwd_dq", q, var.causal, sq, min(Sk, hi - 1), flags, cfg, run)
 
 
 def _bias_grad(q, k, v, do, lse, delta, var: Variants, bias_shape):

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tritonattn.kernels.common import LOG2E
+from tritonattn.kernels.common import LENGTH_CAP, LOG2E
 
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
 BLOCK_N = 2 * HALF.value  # the launcher's
@@ -203,7 +203,7 @@ def _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale):
 
 @gluon.jit
 def _bwd_dkdv_ws_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, LEN_LO, LEN_HI,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -233,7 +233,9 @@ def _bwd_dkdv_ws_kernel(
         k_start = gl.load(CU_K + off_b).to(gl.int64)
         Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
         Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
-        if start_n >= Sk:  # past this sequence's keys
+        longest = gl.maximum(Sq, Sk)
+        # past this sequence's keys, or a sequence of another length class (launch.length_classes)
+        if (start_n >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
             return
         # a sequence with no query: its keys' dK / dV are 0 (no block loaded); a one-row descriptor
         q_rows = gl.maximum(Sq, 1)
@@ -286,17 +288,18 @@ def _bwd_dkdv_ws_kernel(
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
-                cu_seqlens=None, max_seqlens=None) -> tuple:
+                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP)) -> tuple:
     """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
     ``max_seqlens`` (max_q, max_k); q / do (total_q, Hq, D), k / v / dk / dv (total_k, Hkv, D),
-    lse / delta (Hq, total_q)."""
+    lse / delta (Hq, total_q); ``lengths`` (lo, hi): the launch serves the sequences whose longest
+    side is in [lo, hi) (a length class, launch.length_classes)."""
     if cu_seqlens is None:
         hq, hkv = q.shape[2], k.shape[2]
-        return (q, k, v, do, lse, delta, dk, dv, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        return (q, k, v, do, lse, delta, dk, dv, q, q, *lengths, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1), hkv, hq // hkv,
                 q.shape[1], k.shape[1], win_right, qk_scale, sm_scale)
     hq, hkv = q.shape[1], k.shape[1]
     packed = (x for t in (q, k, v, do, dk, dv) for x in (0, *t.stride()[:2]))  # (batch 0, row, head) strides
-    return (q, k, v, do, lse, delta, dk, dv, *cu_seqlens, *packed, 0, lse.stride(0), hkv, hq // hkv, *max_seqlens,
-            win_right, qk_scale, sm_scale)
+    return (q, k, v, do, lse, delta, dk, dv, *cu_seqlens, *lengths, *packed, 0, lse.stride(0), hkv, hq // hkv,
+            *max_seqlens, win_right, qk_scale, sm_scale)

@@ -19,6 +19,8 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# the upper bound of the last length class of a packed call (seq_bounds' LEN_HI default)
+LENGTH_CAP = 2**31 - 1
 
 
 @triton.jit
@@ -202,11 +204,13 @@ def program_order(HEADS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN: tl.constexpr):
+def seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN: tl.constexpr, LEN_LO=0, LEN_HI=2147483647):
     """Where batch row ``off_b`` starts in the token dimension and how long it is.
 
     Dense inputs: (0, Sq, 0, Sk). Variable length (``cu_seqlens``, int32 (B + 1,)): the row's slice
-    of the packed ``(total, H, D)`` tensors."""
+    of the packed ``(total, H, D)`` tensors; a sequence whose longest side (queries or keys) is not
+    in [LEN_LO, LEN_HI) reads as empty (0, 0): the launch serves one length class of a packed call,
+    and another launch that sequence's (see kernels/launch.py, length_classes)."""
     q_start = 0
     k_start = 0
     if IS_VARLEN:  # one return statement: the compiler wants one return type
@@ -214,6 +218,10 @@ def seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN: tl.constexpr):
         k_start = tl.load(CU_K + off_b)
         Sq = tl.load(CU_Q + off_b + 1) - q_start
         Sk = tl.load(CU_K + off_b + 1) - k_start
+        longest = tl.maximum(Sq, Sk)
+        other = (longest < LEN_LO) | (longest >= LEN_HI)
+        Sq = tl.where(other, 0, Sq)
+        Sk = tl.where(other, 0, Sk)
         q_start = q_start.to(tl.int64)
         k_start = k_start.to(tl.int64)
     return q_start, Sq, k_start, Sk

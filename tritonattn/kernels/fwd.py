@@ -10,6 +10,7 @@ from triton.runtime import _allocation
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
+    LENGTH_CAP,
     LN2,
     dropout_keep,
     head_setup,
@@ -21,7 +22,7 @@ from tritonattn.kernels.common import (
     scores_log2,
     seq_bounds,
 )
-from tritonattn.kernels.launch import cdiv, program_grid
+from tritonattn.kernels.launch import cdiv, length_classes, program_grid
 from tritonattn.kernels.variants import Variants
 
 try:  # Gluon ships with Triton, as an experimental API
@@ -120,7 +121,7 @@ def _fwd_kernel(
     BIAS, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     MASK, stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     ALIBI, stride_alibi_b, SEED, dropout_p,
-    CU_Q, CU_K, stride_lse_b, stride_lse_h,
+    CU_Q, CU_K, stride_lse_b, stride_lse_h, LEN_LO, LEN_HI,
     KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, stride_bt_b, page_size, stride_kpage, stride_vpage,
     Hq, GROUP, Sq, Sk, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -140,9 +141,10 @@ def _fwd_kernel(
     off_hk = off_h // GROUP
 
     start_m = pid_m * BLOCK_M
-    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN)
+    q_start, Sq, k_start, Sk = seq_bounds(CU_Q, CU_K, off_b, Sq, Sk, IS_VARLEN, LEN_LO, LEN_HI)
     if IS_VARLEN:
-        if start_m >= Sq:  # past this sequence's end (the grid covers max_seqlen_q)
+        # past this sequence's end (the grid covers the longest), or another length class's sequence
+        if start_m >= Sq:
             return
     off_bk = off_b
     p_bt = BLOCK_TABLE
@@ -245,21 +247,27 @@ GLUON = fwd_sm90 is not None and (triton.__version__.startswith("3.6.") if _GLUO
 GLUON_VARLEN = configs.env_flag("TRITONATTN_FWD_GLUON_VARLEN", default=True)
 
 
-def _gluon_ok(q, k, v, var: Variants, sm90: bool) -> bool:
+GLUON_ROUTE = "gluon"  # a length class served by the Gluon forward (attention_forward's route)
+
+
+def _gluon_ok(q, k, v, var: Variants, sm90: bool, longest: int | None = None) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
     :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, twelfth session, persistent
     grid, graph replays), D=128: 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x
     at 1024 with one, 1.09-1.23x from 2048; D=64 from 4096 without a mask, 8192 with one
-    (1.00-1.06x), D=256 from 1024 without, 4096 with (1.03-1.16x; thirteenth session)."""
-    return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN)
+    (1.00-1.06x), D=256 from 1024 without, 4096 with (1.03-1.16x; thirteenth session); fifteenth
+    session: D=64 from 2048 / 4096, D=256 from 1024 both (configs.GLUON_MIN_SEQLEN)."""
+    return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN, longest=longest)
 
 
-def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more, varlen: bool = False) -> bool:
+def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *more, varlen: bool = False,
+                 longest: int | None = None) -> bool:
     """The rule the Gluon kernels share (``mode``: "fwd" or "bwd_dkdv", each with its switch
     checked by its caller): an sm_90 GPU, a head dim in ``tiles``, 16-bit, dense (or variable
-    length when the caller passes ``varlen``, judged by the longest sequences), no variant but a
-    causal mask or a window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN``
-    long, Q / K / V (and ``more``) readable through tensor descriptors (see _tma_ok), not
+    length when the caller passes ``varlen``, judged by ``longest``: the longest side of the
+    sequences of one length class, default the call's), no variant but a causal mask or a
+    window's right edge, queries or keys at least ``configs.GLUON_MIN_SEQLEN`` long, Q / K / V
+    (and ``more``) readable through tensor descriptors (see _tma_ok), not
     TRITONATTN_BATCH_INVARIANT (the length rule would pick different kernels for a packed
     sequence and its own dense call), and no tile of this mode forced (``configs.override``: the
     tests and the tuner time the Triton kernels')."""
@@ -270,7 +278,7 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
         return False
     B, Sq, Sk, Hq, Hkv, _ = var.dims(q, k)
     shortest = configs.GLUON_MIN_SEQLEN[mode][q.shape[-1]][var.win_right is not None]
-    if Sk == 0 or max(Sq, Sk) < shortest:
+    if Sk == 0 or (max(Sq, Sk) if longest is None else longest) < shortest:
         return False
     # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a
     # program per kv head on the grid's y axis
@@ -352,34 +360,55 @@ def attention_forward(q, k, v, var: Variants):
     lse = b.alloc(alloc, var.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
-    if aligned and _gluon_ok(q, k, v, var, _on_sm90(q)):
-        block_n, stages, q_bufs = fwd_sm90.TILES[D]
-        seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk)) if var.varlen else {}
-        b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq),
-                 fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
-                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
-                      num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
-        return b.finish((out, lse))
-    heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
+    sm90 = aligned and _on_sm90(q)
     # the keys' length for the tile (and the autotuner's key): a paged cache (not varlen) passes one
     # page as k, its keys span the block table
     keys = Sk if var.block_table is None or var.varlen else var.block_table.shape[1] * var.page_size
-    cfg = configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=max(Sq, keys), plain=var.plain)
-    flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
-                 BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
-                 PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)
 
-    def run(cfg):
-        blocks = cdiv(Sq, cfg.block_m)
-        b.launch(_fwd_kernel, program_grid(blocks, B * Hq, heads_first), (
-            q, k, v, out, lse,
-            *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
-            *var.kernel_args(q), *var.seq_args(q, lse), *var.cache_args(q),
-            Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
-        ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
-                WS=WS and tma and cfg.num_warps >= 8))
+    def route(longest: int):
+        """What a dense call whose longest side is ``longest`` takes: the Gluon forward, or the Triton
+        one with this tile (its row count for the wide tile: batch x longest side; a packed call's
+        length class asks as the dense call of one sequence would)."""
+        if sm90 and _gluon_ok(q, k, v, var, True, longest=longest):
+            return GLUON_ROUTE
+        return configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=longest, plain=var.plain,
+                                      rows=longest * (1 if var.varlen else B))
 
-    autotune.launch_tuned("fwd", q, var.causal, Sq, keys, flags, cfg, run)
+    # packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
+    # its own dense call gives
+    longest = max(Sq, keys)
+    classes = length_classes(route, longest, configs.length_breaks(q)) if var.varlen else \
+        [(0, LENGTH_CAP, route(longest))]
+    flags = None
+    for lo, hi, cfg in classes:
+        if cfg == GLUON_ROUTE:
+            block_n, stages, q_bufs = fwd_sm90.TILES[D]
+            seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
+                        lengths=(lo, hi)) if var.varlen else {}
+            b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq),
+                     fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
+                     dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
+                          Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG,
+                          IS_VARLEN=var.varlen))
+            continue
+        if flags is None:
+            heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)
+            flags = dict(**var.constexprs(), **var.cache_constexprs(), SCALE_POS=var.softmax_scale > 0, HEAD_DIM=D,
+                         BLOCK_D=configs.padded_head_dim(D), DOT_FP32=configs.dot_in_fp32(q.dtype),
+                         PRECISION=configs.dot_precision(q.dtype), TMA=tma, HEADS_FIRST=heads_first)
+        # a class's sequences are shorter than hi: its grid covers no more rows
+        sq = min(Sq, hi - 1)
+
+        def run(cfg, lo=lo, hi=hi, sq=sq):
+            b.launch(_fwd_kernel, program_grid(cdiv(sq, cfg.block_m), B * Hq, flags["HEADS_FIRST"]), (
+                q, k, v, out, lse,
+                *var.bshd_strides(q), *var.bshd_strides(k), *var.bshd_strides(v), *var.bshd_strides(out),
+                *var.kernel_args(q), *var.seq_args(q, lse), lo, hi, *var.cache_args(q),
+                Hq, Hq // Hkv, Sq, Sk, *var.scale_args(), *var.window_args(),
+            ), dict(**flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    # Triton 3.6's warp specialization failed to compile 4-warp tiles (benchmarks/NOTES.md)
+                    WS=WS and tma and cfg.num_warps >= 8))
+
+        autotune.launch_tuned("fwd", q, var.causal, sq, min(keys, hi - 1), flags, cfg, run)
     return b.finish((out, lse))

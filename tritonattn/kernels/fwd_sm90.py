@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tritonattn.kernels.common import LN2
+from tritonattn.kernels.common import LENGTH_CAP, LN2
 from tritonattn.kernels.launch import l2_bytes, sm_count
 
 # 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots,
@@ -78,8 +78,8 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 
 
 @gluon.jit
-def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr,
-          BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
+def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI,
+          CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Tile t (128 query rows of one sequence and query head): whether it is one (see _n_tiles), its
     first row, batch, head, kv head, first query and key token (0 but for IS_VARLEN), query and key
     lengths, causal shift, key blocks and unmasked key blocks. Without a mask: a head's query
@@ -93,7 +93,8 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
     the query blocks with the most keys first, all the section's heads of a block together.
     IS_VARLEN: sequence b is rows [cu[b], cu[b + 1]) of the packed tensors and Sq / Sk are the
     longest (a tile past its sequence's queries is skipped by every partition, as are turns past
-    the pairs)."""
+    the pairs), and a sequence whose longest side is not in [LEN_LO, LEN_HI) reads as having no
+    query (another launch serves its length class: launch.length_classes)."""
     valid = True
     if CAUSAL:
         P = gl.num_programs(0)
@@ -129,6 +130,8 @@ def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_
         Sq = (gl.load(CU_Q + off_b + 1) - q_start).to(gl.int32)
         Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
         causal_shift = Sk - Sq + win_right
+        longest = gl.maximum(Sq, Sk)
+        Sq = gl.where((longest < LEN_LO) | (longest >= LEN_HI), 0, Sq)
     hi = Sk
     full_hi = Sk // BLOCK_N * BLOCK_N
     if CAUSAL:
@@ -160,8 +163,9 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
 @gluon.jit
 def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m, BH, SEC,
-              Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
+              Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     """TMA loads, tile after tile: K / V block j into ring slot (J + j) % STAGES once both consumers
     released the block that was there (block 0 always: the consumers read it even when no key is
     visible), and the tile's Q (two 64-row halves) after its first K block, into a Q buffer both
@@ -172,7 +176,8 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_N,
+            IS_VARLEN)
         k_rows = sk
         if IS_VARLEN:
             live = live & (start_m < sq)
@@ -245,8 +250,9 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 @gluon.jit
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
               v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq,
-              Sk, causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr):
+              Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+              IS_VARLEN: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -263,7 +269,8 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
     i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, BLOCK_N, IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_N,
+            IS_VARLEN)
         if IS_VARLEN:
             live = live & (start_m < sq)
         if live:
@@ -324,7 +331,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
 
 @gluon.jit
 def _fwd_ws_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
+    Q, K, V, O, LSE, CU_Q, CU_K, LEN_LO, LEN_HI,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -365,16 +372,16 @@ def _fwd_ws_kernel(
     gl.warp_specialize([
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
-                     causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
-                     IS_VARLEN)),
+                     causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                     Q_BUFS, IS_VARLEN)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
-                     causal_shift, win_right, CU_Q, CU_K, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, Q_BUFS,
-                     IS_VARLEN)),
+                     causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                     Q_BUFS, IS_VARLEN)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m,
-                     BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                     Q_BUFS, IS_VARLEN)),
+                     BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
+                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN)),
     ], [4, 1], [240, 24])
 
 
@@ -394,22 +401,24 @@ def section_heads(bh: int, group: int, keys: int, q) -> int:
     return min(bh, max(1, kv_heads) * group)
 
 
-def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None) -> tuple:
+def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None,
+                lengths=(0, LENGTH_CAP)) -> tuple:
     """Runtime arguments of :func:`_fwd_ws_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
     with unit dim stride, lse (B, Hq, Sq) contiguous; ``win_right``: query i sees keys
     j <= i + Sk - Sq + win_right when the kernel's CAUSAL is set (0: flash-attn's causal).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
-    ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q).
-    Then B x Hq (with the longest query length, the number of tiles) and the causal order's heads
-    per section (:func:`section_heads`)."""
+    ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q);
+    ``lengths`` (lo, hi): the launch serves the sequences whose longest side is in [lo, hi) (a
+    length class, launch.length_classes). Then B x Hq (with the longest query length, the number
+    of tiles) and the causal order's heads per section (:func:`section_heads`)."""
     if cu_seqlens is None:
         hq, hkv = q.shape[2], k.shape[2]
         bh = q.shape[0] * hq
-        return (q, k, v, out, lse, q, q, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        return (q, k, v, out, lse, q, q, *lengths, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                 lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale,
                 bh, section_heads(bh, hq // hkv, k.shape[1], q))
     hq, hkv = q.shape[1], k.shape[1]
     bh = (cu_seqlens[0].shape[0] - 1) * hq
-    return (q, k, v, out, lse, *cu_seqlens, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
+    return (q, k, v, out, lse, *cu_seqlens, *lengths, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
             0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale,
             bh, section_heads(bh, hq // hkv, max_seqlens[1], q))

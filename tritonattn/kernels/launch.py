@@ -22,6 +22,8 @@ import inspect
 import torch
 import triton
 
+from tritonattn.kernels.common import LENGTH_CAP
+
 ENABLED = True  # scripts/compile_check.py turns it off (it compiles without launching)
 _MAX_ENTRIES = 4096
 _cache: dict = {}
@@ -39,6 +41,31 @@ def program_grid(blocks: int, heads: int, heads_first: bool) -> tuple[int, int]:
     """The grid of a kernel that reads its program with ``common.program_order``: (blocks, batch x
     heads), or (batch x heads, blocks) heads first."""
     return (heads, blocks) if heads_first else (blocks, heads)
+
+
+def length_classes(route, longest: int, breaks) -> list[tuple[int, int, object]]:
+    """The length classes of a packed (variable-length) call: maximal runs ``[lo, hi)`` of a
+    sequence's longest side L (its query or key length, whichever is longer; 0 <= L <= ``longest``,
+    the last run open to LENGTH_CAP) on which ``route(L)`` (what the dense call of such a sequence
+    alone would take: a kernel and its tile) is the same, as ``(lo, hi, route)``. ``route`` may
+    change only at the lengths in ``breaks`` (configs.length_breaks). Each class is one launch whose
+    programs skip the other classes' sequences (common.seq_bounds), so that every sequence of a
+    packed call gets bitwise what its own dense call gives, whichever tile its length picks.
+    (The lengths are on the device: the host cannot split the batch without a sync.)"""
+    starts = [0, *sorted(b for b in set(breaks) if 0 < b <= longest)]
+    classes: list[tuple[int, int, object]] = []
+    for i, lo in enumerate(starts):
+        r = route(max(lo, 1))
+        hi = starts[i + 1] if i + 1 < len(starts) else LENGTH_CAP
+        last = min(hi - 1, longest)
+        if last > max(lo, 1) and route(last) != r:  # a rule that changes between breaks: say so, never guess
+            raise RuntimeError(f"tritonattn: the tile changes between lengths {lo} and {last}, which "
+                               "configs.length_breaks does not list")
+        if classes and classes[-1][2] == r:
+            classes[-1] = (classes[-1][0], hi, r)
+        else:
+            classes.append((lo, hi, r))
+    return classes
 
 
 def next_pow2(n: int) -> int:
