@@ -256,7 +256,9 @@ def test_plain_variants():
 
 
 def test_forward_launcher_passes_plain(monkeypatch):
-    """attention_forward tells forward_config whether the call is plain."""
+    """attention_forward tells forward_config whether the call is plain (what the wide short tile may
+    take): dense calls of two or more sequences only, as the tile follows the call's tile count and a
+    packed sequence must get what its own dense call of one sequence gets."""
     from tritonattn import flash_attn_func, flash_attn_varlen_func
 
     seen, real = [], configs.forward_config
@@ -266,14 +268,15 @@ def test_forward_launcher_passes_plain(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(configs, "forward_config", spy)
-    q = torch.randn(1, 20, 2, 16, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(2, 20, 2, 16, dtype=torch.float16, device=DEVICE)
     flash_attn_func(q, q, q)
     flash_attn_func(q, q, q, causal=True)
     flash_attn_func(q, q, q, softcap=3.0)
-    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
-    flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20)
-    flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 20, 20, causal=True)
-    assert seen == [True, False, False, True, True, False, False]  # varlen: a class's first and last length
+    flash_attn_func(q[:1], q[:1], q[:1])  # one sequence
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
+    qp = q.reshape(40, 2, 16)
+    flash_attn_varlen_func(qp, qp, qp, cu, cu, 20, 20)  # varlen: a class's first and last length
+    assert seen == [True, False, False, False, False, False]
 
 
 def test_backward_launcher_passes_the_longest_length(monkeypatch):
@@ -314,9 +317,9 @@ def test_forward_launcher_passes_the_longest_length(monkeypatch):
 
     seen, real = [], configs.forward_config
 
-    def spy(q, causal, extra_smem=False, seqlen=0, plain=False, rows=None):
+    def spy(q, causal, extra_smem=False, seqlen=0, plain=False):
         seen.append((causal, seqlen))
-        return real(q, causal, extra_smem, seqlen, plain, rows)
+        return real(q, causal, extra_smem, seqlen, plain)
 
     monkeypatch.setattr(configs, "forward_config", spy)
     q = torch.randn(1, 37, 2, 16, dtype=torch.float16, device=DEVICE)

@@ -343,33 +343,30 @@ def _short_causal(mode: str, q: torch.Tensor, causal: bool, seqlen: int) -> Tile
     return _SHORT_CAUSAL[mode].get(padded_head_dim(q.shape[-1]))
 
 
-def _short_wide(q: torch.Tensor, causal: bool, seqlen: int, rows: int | None = None) -> TileConfig | None:
+def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None:
     """:data:`_SHORT_WIDE_FWD`'s entry for a plain forward (no causal mask, see forward_config's
-    ``plain``) of at most SHORT_SEQLEN queries and keys and at least WIDE_PROGRAMS 128-row tiles
-    (``rows`` x heads; the launcher counts batch x the longer side, queries or keys, so that a packed
-    sequence asks as its own dense call does; default all of ``q``'s rows), or None."""
+    ``plain``) of at most SHORT_SEQLEN queries and keys and at least WIDE_PROGRAMS 128-row query tiles
+    (``q``'s rows x heads), or None."""
     if causal or not _short("fwd", q, seqlen):
         return None
-    heads = q.shape[-2] if q.dim() > 1 else 1
-    tiles = (q.numel() // max(1, q.shape[-1]) if rows is None else rows * heads) // 128
+    tiles = q.numel() // max(1, q.shape[-1]) // 128
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
 def length_breaks(q: torch.Tensor) -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
-    (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the query
-    rows from which a one-sequence call of ``q``'s heads has WIDE_PROGRAMS tiles."""
-    heads = q.shape[-2] if q.dim() > 1 else 1
+    (launch.length_classes): past SHORT_SEQLEN, and the Gluon kernels' first lengths."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair}
-    return {SHORT_SEQLEN + 1, -(-WIDE_PROGRAMS * 128 // max(1, heads)), *gluon}
+    return {SHORT_SEQLEN + 1, *gluon}
 
 
 def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,
-                   plain: bool = False, rows: int | None = None) -> TileConfig:
+                   plain: bool = False) -> TileConfig:
     """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
     calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and
     ``plain`` calls (:attr:`Variants.plain`: dense or varlen, no mask of any kind, no other variant,
-    no kv cache) with many query tiles :data:`_SHORT_WIDE_FWD`'s (``rows``: see _short_wide).
+    no kv cache) with many query tiles :data:`_SHORT_WIDE_FWD`'s (the launcher asks so for dense
+    calls of two or more sequences only: see attention_forward).
 
     ``extra_smem``: a bias or boolean mask tile is read next to each score tile, or dropout
     reshapes its random bits through shared memory; with 128-key blocks these need more shared
@@ -378,7 +375,7 @@ def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seql
     cfg = _lookup("fwd", q, causal)
     if "fwd" in _override:
         return cfg
-    cfg = _short_causal("fwd", q, causal, seqlen) or (_short_wide(q, causal, seqlen, rows) if plain else None) or cfg
+    cfg = _short_causal("fwd", q, causal, seqlen) or (_short_wide(q, causal, seqlen) if plain else None) or cfg
     if extra_smem:
         # D=256: 64-key blocks with every variant still need 237568 bytes (scripts/compile_check.py)
         cap = 32 if padded_head_dim(q.shape[-1]) >= 256 else 64

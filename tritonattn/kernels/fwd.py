@@ -367,12 +367,14 @@ def attention_forward(q, k, v, var: Variants):
 
     def route(longest: int):
         """What a dense call whose longest side is ``longest`` takes: the Gluon forward, or the Triton
-        one with this tile (its row count for the wide tile: batch x longest side; a packed call's
-        length class asks as the dense call of one sequence would)."""
+        one with this tile. The wide short tile (configs._short_wide: it follows the call's tile
+        count) goes to dense calls of two or more sequences only: a packed sequence gets what its
+        own dense call, of one sequence, gets, and a packed call's length classes cannot count one
+        sequence's query tiles (by its longer side alone, ``longest``)."""
         if sm90 and _gluon_ok(q, k, v, var, True, longest=longest):
             return GLUON_ROUTE
-        return configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=longest, plain=var.plain,
-                                      rows=longest * (1 if var.varlen else B))
+        return configs.forward_config(q, var.causal, extra_smem=var.extra_smem, seqlen=longest,
+                                      plain=var.plain and not var.varlen and B > 1)
 
     # packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
     # its own dense call gives
