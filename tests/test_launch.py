@@ -124,3 +124,13 @@ def test_length_breaks():
     for lengths in configs.GLUON_MIN_SEQLEN.values():
         for pair in lengths.values():
             assert set(pair) <= breaks
+
+
+def test_length_classes_off(monkeypatch):
+    """launch.LENGTH_CLASSES off (the tuners' baseline): one class, the longest sequence's route."""
+    from tritonattn.kernels.common import LENGTH_CAP
+    from tritonattn.kernels.launch import length_classes
+
+    monkeypatch.setattr(launch, "LENGTH_CLASSES", False)
+    assert length_classes(lambda n: "short" if n <= 1024 else "long", 5000, {1025}) == [(0, LENGTH_CAP, "long")]
+    assert length_classes(lambda n: "short" if n <= 1024 else "long", 0, {1025}) == [(0, LENGTH_CAP, "short")]

@@ -174,15 +174,19 @@ def bench(seqlens, tiles, tokens=16384, sections=()) -> None:
 
 def bench_varlen(seqlens) -> None:
     """Packed sequences (flash_attn_varlen_func, 16k tokens, llama heads, D=128, bf16): the Triton
-    dK/dV kernel against the Gluon one's varlen path (bwd.GLUON_VARLEN). Each graph captures the
-    forward and the backward (a backward captured alone would wait on the eager forward's stream,
-    which a capture may not do); the forward alone is timed too and subtracted. Equal lengths S,
-    and ragged ones (S, S/2, 3S/2 repeated)."""
+    dK/dV kernel against the Gluon one's varlen path (bwd.GLUON_VARLEN), and the default (a launch
+    per length class, every sequence bitwise its dense call) against one launch with the longest
+    sequence's tiles (launch.LENGTH_CLASSES off: what the classes cost, forward and backward). Each
+    graph captures the forward and the backward (a backward captured alone would wait on the eager
+    forward's stream, which a capture may not do); the forward alone is timed too and subtracted.
+    Equal lengths S, and ragged ones (S, S/2, 3S/2 repeated)."""
     from tritonattn import flash_attn_varlen_func
+    from tritonattn.kernels import launch, plan
 
     varlen_default = bwd.GLUON_VARLEN
-    print("| S | lengths | causal | forward ms | backward, Triton dK/dV ms | Gluon dK/dV ms | x Triton |")
-    print("|---|---|---|---|---|---|---|")
+    print("| S | lengths | causal | forward ms | backward, Triton dK/dV ms | Gluon dK/dV ms | x Triton | "
+          "one launch: forward ms | backward ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for S, _, kind, lens, cu, q, k, v in packed_batches(seqlens, requires_grad=True):
         do = torch.randn_like(q)
         for causal in (False, True):
@@ -198,8 +202,17 @@ def bench_varlen(seqlens) -> None:
                         forward(), (q, k, v), do)) - fwd_ms)
                 finally:
                     bwd.GLUON_VARLEN = varlen_default
+            launch.LENGTH_CLASSES = False
+            plan.clear()
+            try:
+                one_fwd = graph_time(forward)
+                one_bwd = graph_time(lambda forward=forward, q=q, k=k, v=v, do=do: torch.autograd.grad(
+                    forward(), (q, k, v), do)) - one_fwd
+            finally:
+                launch.LENGTH_CLASSES = True
+                plan.clear()
             print(f"| {S} | {kind} | {causal} | {fwd_ms:.4f} | {times[0]:.4f} | {times[1]:.4f} | "
-                  f"{times[0] / times[1]:.2f} |", flush=True)
+                  f"{times[0] / times[1]:.2f} | {one_fwd:.4f} | {one_bwd:.4f} |", flush=True)
 
 
 def main() -> int:

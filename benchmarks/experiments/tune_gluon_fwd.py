@@ -172,13 +172,16 @@ def packed_batches(seqlens, requires_grad: bool = False):
 
 def bench_varlen(seqlens) -> None:
     """Packed sequences (flash_attn_varlen_func, 16k tokens, llama heads, D=128, bf16): the Triton
-    forward against the Gluon forward's varlen path (fwd.GLUON_VARLEN), and the dense Gluon call
-    of the same work, as graph replays. Equal lengths S, and ragged ones (S, S/2, 3S/2 repeated)."""
+    forward against the Gluon forward's varlen path (fwd.GLUON_VARLEN), the default (a launch per
+    length class) against one launch with the longest sequence's kernel (launch.LENGTH_CLASSES
+    off), and the dense Gluon call of the same work, as graph replays. Equal lengths S, and ragged
+    ones (S, S/2, 3S/2 repeated)."""
     from tritonattn import flash_attn_varlen_func
+    from tritonattn.kernels import launch, plan
 
     varlen_default = fwd.GLUON_VARLEN
-    print("| S | lengths | causal | triton varlen ms | gluon varlen ms | x triton | gluon dense ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| S | lengths | causal | triton varlen ms | gluon varlen ms | x triton | one launch ms | gluon dense ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for S, n, kind, lens, cu, q, k, v in packed_batches(seqlens):
         for causal in (False, True):
             def call(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
@@ -191,12 +194,19 @@ def bench_varlen(seqlens) -> None:
                     times.append(graph_time(call))
                 finally:
                     fwd.GLUON_VARLEN = varlen_default
+            launch.LENGTH_CLASSES = False
+            plan.clear()
+            try:
+                one = graph_time(call)
+            finally:
+                launch.LENGTH_CLASSES = True
+                plan.clear()
             dense = "-"
             if kind == "equal":
                 qd, kd, vd = (t.view(n, S, *t.shape[1:]) for t in (q, k, v))
                 dense = f"{graph_time(lambda: flash_attn_func(qd, kd, vd, causal=causal)):.4f}"
             print(f"| {S} | {kind} | {causal} | {times[0]:.4f} | {times[1]:.4f} | {times[0] / times[1]:.2f} | "
-                  f"{dense} |", flush=True)
+                  f"{one:.4f} | {dense} |", flush=True)
 
 
 def main() -> int:

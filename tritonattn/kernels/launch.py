@@ -25,6 +25,10 @@ import triton
 from tritonattn.kernels.common import LENGTH_CAP
 
 ENABLED = True  # scripts/compile_check.py turns it off (it compiles without launching)
+# False: a packed call launches each kernel once, with the longest sequence's tile (what the library
+# did before length_classes; its sequences may then differ from their dense calls by rounding). For
+# the Gluon tuners' timings of what the classes cost (benchmarks/experiments; they clear the plans)
+LENGTH_CLASSES = True
 _MAX_ENTRIES = 4096
 _cache: dict = {}
 _tail_params: dict = {}
@@ -52,6 +56,8 @@ def length_classes(route, longest: int, breaks) -> list[tuple[int, int, object]]
     programs skip the other classes' sequences (common.seq_bounds), so that every sequence of a
     packed call gets bitwise what its own dense call gives, whichever tile its length picks.
     (The lengths are on the device: the host cannot split the batch without a sync.)"""
+    if not LENGTH_CLASSES:
+        return [(0, LENGTH_CAP, route(max(longest, 1)))]
     starts = [0, *sorted(b for b in set(breaks) if 0 < b <= longest)]
     classes: list[tuple[int, int, object]] = []
     for i, lo in enumerate(starts):
