@@ -252,11 +252,10 @@ GLUON_ROUTE = "gluon"  # a length class served by the Gluon forward (attention_f
 
 def _gluon_ok(q, k, v, var: Variants, sm90: bool, longest: int | None = None) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
-    :func:`gluon_serves`. Measured on the H200 (benchmarks/NOTES.md, twelfth session, persistent
-    grid, graph replays), D=128: 1.32-1.40x the Triton kernel at S=512-1024 without a mask, 1.12x
-    at 1024 with one, 1.09-1.23x from 2048; D=64 from 4096 without a mask, 8192 with one
-    (1.00-1.06x), D=256 from 1024 without, 4096 with (1.03-1.16x; thirteenth session); fifteenth
-    session: D=64 from 2048 / 4096, D=256 from 1024 both (configs.GLUON_MIN_SEQLEN)."""
+    :func:`gluon_serves`. From the lengths in configs.GLUON_MIN_SEQLEN, measured on the H200
+    (benchmarks/NOTES.md, fifteenth session, graph replays, x the Triton kernel): D=128 from 512
+    without a mask (1.11-1.47x but 0.95x at B=1) and 1024 with one (1.04-1.27x), D=64 from 2048 /
+    4096 (1.01-1.07x), D=256 from 1024 (1.09-1.18x)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN, longest=longest)
 
 
