@@ -88,7 +88,8 @@ DKDV_MASKED_STAGES: int | None = max(1, int(os.environ["TRITONATTN_DKDV_MASKED_S
 
 # Batch invariance (TRITONATTN_BATCH_INVARIANT=1, read once here): no tile chosen by the call's
 # lengths or size (the short and wide tiles below), so a sequence's result is bitwise the same
-# whatever else the batch holds, dense or varlen, forward and backward: every tile then depends only
+# whatever else the batch holds, dense or varlen, forward and backward (packed sequences match their
+# own dense calls by default too, through length classes: launch.length_classes): every tile then depends only
 # on the GPU, head dim, dtype, causal mask and kernel (and the bias / dropout caps). Off by default:
 # those tiles gained 3-21% at S <= 1024 (benchmarks/NOTES.md).
 BATCH_INVARIANT: bool = env_flag("TRITONATTN_BATCH_INVARIANT")
@@ -362,7 +363,8 @@ def length_breaks(q: torch.Tensor) -> set[int]:
 
 def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,
                    plain: bool = False) -> TileConfig:
-    """``seqlen``: the longest query or key length of the call (varlen: the max_seqlen); causal
+    """``seqlen``: the longest query or key length of the call (varlen: of a length class's
+    sequences, launch.length_classes); causal
     calls up to :data:`SHORT_SEQLEN` take :data:`_SHORT_CAUSAL`'s entry where it has one, and
     ``plain`` calls (:attr:`Variants.plain`: dense or varlen, no mask of any kind, no other variant,
     no kv cache) with many query tiles :data:`_SHORT_WIDE_FWD`'s (the launcher asks so for dense
