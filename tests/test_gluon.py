@@ -218,9 +218,9 @@ def test_grid_limit_counts_the_heads_each_kernel_has_programs_for(gluon, monkeyp
 
 
 def test_varlen_with_its_switch(gluon, monkeypatch):
-    """Packed variable-length calls take a Gluon kernel only with its module's GLUON_VARLEN (the
-    forward's on by default, TRITONATTN_FWD_GLUON_VARLEN=0 turns it off; the dK/dV kernel's off,
-    TRITONATTN_BWD_GLUON_VARLEN=1 turns it on), judged here by max_seqlen (one length class)."""
+    """Packed variable-length calls take a Gluon kernel only with its module's GLUON_VARLEN (both on
+    by default; TRITONATTN_FWD_GLUON_VARLEN=0 / TRITONATTN_BWD_GLUON_VARLEN=0 turn them off),
+    judged here by max_seqlen (the rule for one length class)."""
     var = Variants(softmax_scale=SCALE, win_right=0)
     var.cu_seqlens_q = var.cu_seqlens_k = torch.tensor([0, 100, 2148], dtype=torch.int32)
     var.max_seqlen_q = var.max_seqlen_k = 2048
