@@ -84,36 +84,22 @@ def main() -> int:
     cases["attention_backward launcher alone (no autograd)"] = lambda: attention_backward(dout, q, k, v, o, lse, var)
     cases["attention_forward launcher alone"] = lambda: attention_forward(q, k, v, var)
     import contextlib
+    import functools
     import statistics
+    from unittest import mock
 
     from tritonattn.kernels import launch, plan
 
-    @contextlib.contextmanager
-    def hook_chains_passed():
-        # as before 2026-11-30: Triton's empty hook chains passed to the launcher (metadata built)
-        real, launch._hook = launch._hook, (lambda h: h)
-        try:
-            yield
-        finally:
-            launch._hook = real
+    def swapped(obj, name: str, value):
+        """A setting: ``obj.name`` replaced by ``value`` while it is on."""
+        return functools.partial(mock.patch.object, obj, name, value)
 
-    @contextlib.contextmanager
-    def plans_off():
-        # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
-        real, plan.replay = plan.replay, (lambda key, inputs, device: None)
-        try:
-            yield
-        finally:
-            plan.replay = real
-
-    @contextlib.contextmanager
-    def launch_stubbed():
-        # a replayed call's cached launches do nothing: what is left is its Python and allocations
-        real, launch.run_cached = launch.run_cached, (lambda entry, grid, args: None)
-        try:
-            yield
-        finally:
-            launch.run_cached = real
+    # as before 2026-11-30: Triton's empty hook chains passed to the launcher (metadata built)
+    hook_chains_passed = swapped(launch, "_hook", lambda h: h)
+    # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
+    plans_off = swapped(plan, "replay", lambda key, inputs, device: None)
+    # a replayed call's cached launches do nothing: what is left is its Python and allocations
+    launch_stubbed = swapped(launch, "run_cached", lambda entry, grid, args: None)
 
     # the forward's parts beside it: its cached launch alone, replayed with the arguments a replay
     # passed (Triton's C launcher and the driver), and its two allocations alone

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gluon_bwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-from tune_gluon_fwd import graph_time, packed_batches  # noqa: E402
+from tune_gluon_fwd import graph_time, one_launch_per_kernel, packed_batches  # noqa: E402
 
 from tritonattn import flash_attn_func  # noqa: E402
 from tritonattn.kernels import bwd, bwd_sm90, fwd  # noqa: E402
@@ -181,7 +181,6 @@ def bench_varlen(seqlens) -> None:
     forward's stream, which a capture may not do); the forward alone is timed too and subtracted.
     Equal lengths S, and ragged ones (S, S/2, 3S/2 repeated)."""
     from tritonattn import flash_attn_varlen_func
-    from tritonattn.kernels import launch, plan
 
     varlen_default = bwd.GLUON_VARLEN
     print("| S | lengths | causal | forward ms | backward, Triton dK/dV ms | Gluon dK/dV ms | x Triton | "
@@ -193,24 +192,21 @@ def bench_varlen(seqlens) -> None:
             def forward(q=q, k=k, v=v, cu=cu, lens=lens, causal=causal):
                 return flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
 
+            def both_ms(forward=forward, q=q, k=k, v=v, do=do) -> float:
+                """The forward + backward's time (a graph of both)."""
+                return graph_time(lambda: torch.autograd.grad(forward(), (q, k, v), do))
+
             fwd_ms = graph_time(forward)
             times = []
             for on in (False, True):
                 bwd.GLUON_VARLEN = on
                 try:
-                    times.append(graph_time(lambda forward=forward, q=q, k=k, v=v, do=do: torch.autograd.grad(
-                        forward(), (q, k, v), do)) - fwd_ms)
+                    times.append(both_ms() - fwd_ms)
                 finally:
                     bwd.GLUON_VARLEN = varlen_default
-            launch.LENGTH_CLASSES = False
-            plan.clear()
-            try:
+            with one_launch_per_kernel():
                 one_fwd = graph_time(forward)
-                one_bwd = graph_time(lambda forward=forward, q=q, k=k, v=v, do=do: torch.autograd.grad(
-                    forward(), (q, k, v), do)) - one_fwd
-            finally:
-                launch.LENGTH_CLASSES = True
-                plan.clear()
+                one_bwd = both_ms() - one_fwd
             print(f"| {S} | {kind} | {causal} | {fwd_ms:.4f} | {times[0]:.4f} | {times[1]:.4f} | "
                   f"{times[0] / times[1]:.2f} | {one_fwd:.4f} | {one_bwd:.4f} |", flush=True)
 

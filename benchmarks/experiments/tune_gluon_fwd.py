@@ -16,6 +16,7 @@ median of CUDA-event timings of CUDA-graph replays (kernel time), llama shape (H
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -94,6 +95,21 @@ def check(tiles, head_dims) -> int:
                     failures += 1
                     print("FAIL", label, e, flush=True)
     return failures
+
+
+@contextlib.contextmanager
+def one_launch_per_kernel():
+    """Packed calls as before the length classes (launch.LENGTH_CLASSES off: one launch per kernel,
+    the longest sequence's tile), with the launch plans cleared on the way in and out."""
+    from tritonattn.kernels import launch, plan
+
+    launch.LENGTH_CLASSES = False
+    plan.clear()
+    try:
+        yield
+    finally:
+        launch.LENGTH_CLASSES = True
+        plan.clear()
 
 
 def graph_time(fn) -> float:
@@ -177,7 +193,6 @@ def bench_varlen(seqlens) -> None:
     off), and the dense Gluon call of the same work, as graph replays. Equal lengths S, and ragged
     ones (S, S/2, 3S/2 repeated)."""
     from tritonattn import flash_attn_varlen_func
-    from tritonattn.kernels import launch, plan
 
     varlen_default = fwd.GLUON_VARLEN
     print("| S | lengths | causal | triton varlen ms | gluon varlen ms | x triton | one launch ms | gluon dense ms |")
@@ -194,13 +209,8 @@ def bench_varlen(seqlens) -> None:
                     times.append(graph_time(call))
                 finally:
                     fwd.GLUON_VARLEN = varlen_default
-            launch.LENGTH_CLASSES = False
-            plan.clear()
-            try:
+            with one_launch_per_kernel():
                 one = graph_time(call)
-            finally:
-                launch.LENGTH_CLASSES = True
-                plan.clear()
             dense = "-"
             if kind == "equal":
                 qd, kd, vd = (t.view(n, S, *t.shape[1:]) for t in (q, k, v))
