@@ -118,8 +118,7 @@ def test_length_classes():
 def test_length_breaks():
     """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN and at each Gluon
     kernel's first lengths."""
-    q = torch.empty(10, 32, 128)
-    breaks = configs.length_breaks(q)
+    breaks = configs.length_breaks()
     assert configs.SHORT_SEQLEN + 1 in breaks
     for lengths in configs.GLUON_MIN_SEQLEN.values():
         for pair in lengths.values():

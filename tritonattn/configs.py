@@ -354,7 +354,7 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
-def length_breaks(q: torch.Tensor) -> set[int]:
+def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
     (launch.length_classes): past SHORT_SEQLEN, and the Gluon kernels' first lengths."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair}

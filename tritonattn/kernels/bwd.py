@@ -21,7 +21,6 @@ import triton.language as tl
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
-    LENGTH_CAP,
     LOG2E,
     dropout_keep,
     head_setup,
@@ -669,9 +668,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def classes(route):
         """Packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
         its own dense call gives; not on the atomic-dQ path (one dQ accumulator, and no such promise)."""
-        if var.varlen and not atomic_dq:
-            return length_classes(route, max(Sq, Sk), configs.length_breaks(q))
-        return [(0, LENGTH_CAP, route(max(Sq, Sk)))]
+        return length_classes(route, max(Sq, Sk), configs.length_breaks(), packed=var.varlen and not atomic_dq)
 
     # delta shares lse's strides (the kernels index both with them)
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \

@@ -10,7 +10,6 @@ from triton.runtime import _allocation
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
-    LENGTH_CAP,
     LN2,
     dropout_keep,
     head_setup,
@@ -378,8 +377,7 @@ def attention_forward(q, k, v, var: Variants):
     # packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
     # its own dense call gives
     longest = max(Sq, keys)
-    classes = length_classes(route, longest, configs.length_breaks(q)) if var.varlen else \
-        [(0, LENGTH_CAP, route(longest))]
+    classes = length_classes(route, longest, configs.length_breaks(), packed=var.varlen)
     flags = None
     for lo, hi, cfg in classes:
         if cfg == GLUON_ROUTE:

@@ -47,7 +47,7 @@ def program_grid(blocks: int, heads: int, heads_first: bool) -> tuple[int, int]:
     return (heads, blocks) if heads_first else (blocks, heads)
 
 
-def length_classes(route, longest: int, breaks) -> list[tuple[int, int, object]]:
+def length_classes(route, longest: int, breaks, packed: bool = True) -> list[tuple[int, int, object]]:
     """The length classes of a packed (variable-length) call: maximal runs ``[lo, hi)`` of a
     sequence's longest side L (its query or key length, whichever is longer; 0 <= L <= ``longest``,
     the last run open to LENGTH_CAP) on which ``route(L)`` (what the dense call of such a sequence
@@ -55,8 +55,9 @@ def length_classes(route, longest: int, breaks) -> list[tuple[int, int, object]]
     change only at the lengths in ``breaks`` (configs.length_breaks). Each class is one launch whose
     programs skip the other classes' sequences (common.seq_bounds), so that every sequence of a
     packed call gets bitwise what its own dense call gives, whichever tile its length picks.
-    (The lengths are on the device: the host cannot split the batch without a sync.)"""
-    if not LENGTH_CLASSES:
+    (The lengths are on the device: the host cannot split the batch without a sync.) Not
+    ``packed`` (a dense call), or with LENGTH_CLASSES off: one class, ``route(longest)``."""
+    if not packed or not LENGTH_CLASSES:
         return [(0, LENGTH_CAP, route(max(longest, 1)))]
     starts = [0, *sorted(b for b in set(breaks) if 0 < b <= longest)]
     classes: list[tuple[int, int, object]] = []
