@@ -178,6 +178,11 @@ def main(argv=None) -> int:
                 (f"gluon-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True)),
                 (f"gluon-right-edge-{dt}", 128, dtypes[dt], dict(win_right=-300), dict(s=2048, gluon=True)),
                 (f"gluon-varlen-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, varlen=True)),
+                # the opt-in atomic dQ in the Gluon dK/dV kernel (FUSED_DQ: TMA reductions)
+                (f"gluon-atomic-dq-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, atomic_dq=True)),
+                (f"gluon-atomic-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, atomic_dq=True)),
+                (f"gluon-atomic-dq-varlen-{dt}", 128, dtypes[dt], dict(base),
+                 dict(s=2048, gluon=True, varlen=True, atomic_dq=True)),
                 # the Gluon forward's other head dims (from their lengths; no Gluon dK/dV kernel there)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),

@@ -145,7 +145,8 @@ def _misaligned(t):
 def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
     """The launchers with a Gluon kernel taken (CPU tensors as if on sm_90; launches recorded, not
     run). The forward: the Gluon forward. The backward: the Triton dQ kernel first (it writes
-    delta), then the Gluon dK/dV kernel; with TRITONATTN_ATOMIC_DQ=1 the atomic path's own kernels.
+    delta), then the Gluon dK/dV kernel; with TRITONATTN_ATOMIC_DQ=1 the delta preprocess, then the
+    Gluon dK/dV kernel with its fused dQ.
     Either way, the same call with an input 2 bytes off a 16-byte boundary (same shapes and strides:
     the plan key holds the alignment) takes the Triton kernel, and a plan replayed in a thread that
     never set Triton's allocator still launches with one (the descriptors need it)."""
@@ -193,7 +194,8 @@ def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
         with monkeypatch.context() as m:
             m.setenv("TRITONATTN_ATOMIC_DQ", "1")
             call()
-        assert [name for name, _ in seen] == ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel"], seen
+        # the Gluon dK/dV kernel with its fused dQ (FUSED_DQ)
+        assert [name for name, _ in seen] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], seen
 
     def worker():
         _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
@@ -333,7 +335,7 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert _after(t_args, cu_k, 3, 2) == (0, first)
     assert t_grid[0] == -(-(first - 1) // t_kwargs["BLOCK_N"]), t_grid
     _, grid, args, kwargs = seen[2]
-    assert len(args) == 39  # the kernel's runtime arguments, then its constexprs from the keywords
+    assert len(args) == 43  # the kernel's runtime arguments, then its constexprs from the keywords
     launch.tail_values(bwd_sm90._bwd_dkdv_ws_kernel, len(args), kwargs)
     assert kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
     assert grid == (-(-2500 // bwd_sm90.BLOCK_N), 2 * 2), grid
@@ -341,4 +343,5 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[12:15] == (0, 8 * 128, 128) and args[15:18] == (0, 2 * 128, 128)  # q, k (batch, row, head)
     assert args[30:32] == (0, 3001)  # lse / delta (batch, head)
     assert args[32:36] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
+    assert not kwargs.get("FUSED_DQ") and args[39:] == (q, 0, 0, 0)  # no fused dQ (its buffer unused)
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK

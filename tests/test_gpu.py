@@ -630,6 +630,64 @@ def test_atomic_dq_on_gpu(D, tma, causal, monkeypatch, poison):
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
 
 
+# the Gluon dK/dV kernel's fused dQ (FUSED_DQ): odd lengths, Sq != Sk both ways, GQA / MHA, fp16
+FUSED_DQ_CASES = [
+    (2, 2100, 2300, 8, 2, 128, True, BF16),
+    (1, 3001, 2049, 4, 4, 128, True, F16),
+    (2, 1000, 1500, 8, 1, 128, False, BF16),
+    (1, 1, 4096, 8, 2, 128, True, BF16),
+]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", FUSED_DQ_CASES, ids=[case_id(*c) for c in FUSED_DQ_CASES])
+def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, monkeypatch, poison):
+    """TRITONATTN_ATOMIC_DQ=1 where the Gluon dK/dV kernel serves the call: dQ added by that
+    kernel's TMA reductions (FUSED_DQ), no dQ kernel; against the reference."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    torch.manual_seed(Sq)
+    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    names = _launched(monkeypatch)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    check_against_reference(q, k, v, out, lse, grads, dout, causal)
+
+
+def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
+    """The fused dQ over packed sequences (one launch, the longest's route): a tile's rows past
+    its sequence add exact zeros to the next sequence's rows; lengths 0 and 1, Sq != Sk."""
+    from tritonattn import flash_attn_varlen_func
+
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    lens_q, lens_k = [2100, 5, 0, 1, 1300, 77], [2100, 0, 7, 4095, 2500, 77]
+    torch.manual_seed(5)
+    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                         return_attn_probs=True)
+    dout = torch.randn_like(out)
+    names = _launched(monkeypatch)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lq == 0:
+            assert not dk[ks].any() and not dv[ks].any(), b
+            continue
+        if lk == 0:
+            assert not dq[qs].any(), b
+            continue
+        check_against_reference(q[qs][None], k[ks][None], v[ks][None], out[qs][None], lse[:, qs][None],
+                                (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_backward_tma_on_gpu(D, causal, monkeypatch, poison):

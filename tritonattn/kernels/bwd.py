@@ -660,7 +660,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
-        if not atomic_dq and sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
+        if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
             return GLUON_ROUTE
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
                                             seqlen=longest)
@@ -687,23 +687,33 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch,
                    classes(dq_route))
 
-    # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0)
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else None
+    dkdv_classes = classes(dkdv_route)
+    # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0): q-shaped for the
+    # Triton dK/dV kernel; heads before rows for the Gluon one (its TMA reductions address the
+    # buffer as one matrix of rows, and add dQ already scaled)
+    fused = atomic_dq and dkdv_classes[0][2] == GLUON_ROUTE  # (the atomic path has one class)
+    dqa = None
+    if fused:
+        dqa = torch.zeros((Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), dtype=torch.float32,
+                          device=q.device)
+    elif atomic_dq:
+        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_tma = atomic_dq and _dq_tma_ok(q)
     if dq_tma:
         _need_allocator()
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
 
-    for lo, hi, cfg in classes(dkdv_route):
+    for lo, hi, cfg in dkdv_classes:
         if cfg == GLUON_ROUTE:
             block_m, stages = bwd_sm90.TILES[D]
             seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                         lengths=(lo, hi)) if var.varlen else {}
             b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
                      bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                          var.softmax_scale, **seqs),
+                                          var.softmax_scale, dqa=dqa if fused else None, **seqs),
                      dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                          num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen))
+                          num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
+                          FUSED_DQ=fused))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -729,7 +739,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
         autotune.launch_tuned("bwd_dkdv", q, var.causal, min(Sq, hi - 1), sk, dkdv_flags, cfg, run_dkdv)
 
-    if atomic_dq:
+    if fused:
+        dq.copy_(dqa.transpose(0, 1) if var.varlen else dqa.transpose(1, 2))
+    elif atomic_dq:
         dq.copy_(dqa.mul_(var.softmax_scale))
     if key is not None:
         return (*b.finish((dq, dk, dv)), None)

@@ -33,6 +33,8 @@ eligibility rule; the GPU tier tests its gradients.
 
 from __future__ import annotations
 
+import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import builtin
 
 from tritonattn.kernels.common import LENGTH_CAP, LOG2E
 
@@ -131,22 +134,44 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-              sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+              sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA, dqa_rows,
+              dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
     key0 = start_n + WG * HALF
     mbarrier.wait(kv_bar, 0)
-    dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars, empty_bars,
-                            rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, STAGES)
+    if FUSED_DQ:  # this consumer's half of the dQ columns, added to the fp32 buffer by TMA reductions
+        stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM // 2],
+                                             stage_layout)
+        dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
+                                empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                                STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_desc, dqa_row0,
+                                dqa_head_rows, sm_scale)
+        tma.store_wait(pendings=0)  # the last reduction has read its staging tile before the CTA exits
+    else:
+        dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
+                                empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                                STAGES)
     _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale)
 
 
 @gluon.jit
 def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m, shift,
                 qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None,
+                ds_smem=None, ds_bars=None, dq_stage=None, dq_desc=None, dq_row0=0, dq_head_rows=0,
+                sm_scale=1.0):
     """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
-    loads, each slot released after its products. Returns dk, dv and the ring's next block."""
+    loads, each slot released after its products. Returns dk, dv and the ring's next block.
+
+    FUSED_DQ (consumer ``WG`` of the two): also this program's share of dQ, FlashAttention-3's way.
+    Each consumer writes its dS^T tile to ``ds_smem`` (slot 2 (step parity) + WG) and arrives on
+    ``ds_bars`` (step parity); once both halves are there it computes dQ's columns
+    [WG * D/2, (WG + 1) * D/2) of the block over all 128 keys (dS ``k_all``, scaled by ``sm_scale``),
+    stages them in ``dq_stage`` (fp32) and adds them to the buffer behind ``dq_desc`` with one TMA
+    reduction (rows ``dq_row0 + g * dq_head_rows + query`` for query head g of the group). Not
+    deterministic: the programs of other key blocks add into the same rows in no fixed order."""
     dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -158,8 +183,12 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
     zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    if FUSED_DQ:
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
-    for _g in range(GROUP):  # each query head of the group
+    for g in range(GROUP):  # each query head of the group
         for i in range(n_m):
             slot = t % STAGES
             offs_m = (lo_blk + i) * BLOCK_M + offs_mb
@@ -178,14 +207,47 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
                     st = gl.where(seen, st, float("-inf"))
             pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
             dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if FUSED_DQ:  # dS^T of this consumer's keys into its half of buffer t % 2
+                buf = t % 2
+                ds_smem.index(buf * 2 + WG).store(dst.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()  # every lane's part of the tile before the arrival
+                # (a buffer is rewritten two steps later, after both consumers passed the next
+                # step's barrier, i.e. finished this step's dQ products)
+                mbarrier.arrive(ds_bars.index(buf))
             pt16 = gl.convert_layout(pt.to(dtype), a_layout)
             dst16 = gl.convert_layout(dst.to(dtype), a_layout)
             dv = warpgroup_mma(pt16, do, dv, is_async=True)
             dk = warpgroup_mma(dst16, q, dk, is_async=True)
             dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
             mbarrier.arrive(empty_bars.index(slot))
+            if FUSED_DQ:
+                mbarrier.wait(ds_bars.index(buf), (t // 2) & 1)
+                zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                   k_all.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                   k_all.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                tma.store_wait(pendings=0)  # the last step's reduction has read the staging tile
+                gl.thread_barrier()
+                dq_stage.store(dq * sm_scale)
+                fence_async_shared()
+                gl.thread_barrier()  # the whole tile before the one lane's reduction
+                _tma_reduce_add(dq_desc, [dq_row0 + g * dq_head_rows + (lo_blk + i) * BLOCK_M, WG * DQ_COLS],
+                                dq_stage)
             t += 1
     return dk, dv, t
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[box at ``coord``] += shared ``src`` (``cp.reduce.async.bulk.tensor`` .add, completion
+    tracked as a TMA store's: tma.store_wait). Gluon 3.6's hopper ``tma`` module has no wrapper for
+    it; its builder has the op (``create_async_tma_reduce``, as Triton's descriptor ``atomic_add``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -212,8 +274,9 @@ def _bwd_dkdv_ws_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h,
     Hkv, GROUP, Sq, Sk, win_right, qk_scale, sm_scale,
+    DQA, dqa_rows, dqa_batch_rows, dqa_head_rows,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
+    num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -263,6 +326,20 @@ def _bwd_dkdv_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+    if FUSED_DQ:
+        # dS^T tiles by (step parity, consumer), 4 x 8 KB, a barrier per parity (both consumers
+        # arrive), and each consumer's fp32 dQ tile on its way to the TMA reduction, 2 x 16 KB
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], layout)
+        ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bars.index(i), count=2)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
+                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                                  rank=2))
+    else:  # (not read)
+        ds_smem = k_smem
+        ds_bars = kv_bar
+        dq_stage = k_smem
     fence_async_shared()
 
     q_base = Q + off_b * stride_qb + q_start * stride_qm
@@ -273,13 +350,17 @@ def _bwd_dkdv_ws_kernel(
     dv_base = DV + off_b * stride_dvb + k_start * stride_dvn + off_hk * stride_dvh
     lse_base = LSE + off_b * stride_lse_b + q_start
     delta_base = DELTA + off_b * stride_lse_b + q_start
+    # FUSED_DQ: the buffer's rows of this batch entry's first query head of the group
+    dqa_row0 = (off_b * dqa_batch_rows + off_hk * GROUP * dqa_head_rows + q_start).to(gl.int32)
     gl.warp_specialize([
         (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
-                     HEAD_DIM, BLOCK_M, STAGES)),
+                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA,
+                     dqa_rows, dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL, HEAD_DIM, BLOCK_M,
+                     STAGES, FUSED_DQ)),
         (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, CAUSAL,
-                     HEAD_DIM, BLOCK_M, STAGES)),
+                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA,
+                     dqa_rows, dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL, HEAD_DIM, BLOCK_M,
+                     STAGES, FUSED_DQ)),
         (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                      stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem,
                      kv_bar,
@@ -288,18 +369,26 @@ def _bwd_dkdv_ws_kernel(
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
-                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP)) -> tuple:
+                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP), dqa=None) -> tuple:
     """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
     ``max_seqlens`` (max_q, max_k); q / do (total_q, Hq, D), k / v / dk / dv (total_k, Hkv, D),
     lse / delta (Hq, total_q); ``lengths`` (lo, hi): the launch serves the sequences whose longest
-    side is in [lo, hi) (a length class, launch.length_classes)."""
-    if cu_seqlens is None:
-        hq, hkv = q.shape[2], k.shape[2]
+    side is in [lo, hi) (a length class, launch.length_classes). ``dqa`` (the kernel's FUSED_DQ):
+    the contiguous fp32 buffer that dQ (scaled) is added to, (B, Hq, Sq, D), or (Hq, total_q, D)
+    packed, zeroed by the caller."""
+    dense = cu_seqlens is None
+    hq, hkv = (q.shape[2], k.shape[2]) if dense else (q.shape[1], k.shape[1])
+    if dqa is None:
+        fused = (q, 0, 0, 0)
+    else:
+        assert dqa.is_contiguous() and dqa.dtype == torch.float32 and dqa.shape[-1] == q.shape[-1]
+        head_rows = dqa.shape[-2]
+        fused = (dqa, dqa.numel() // dqa.shape[-1], hq * head_rows if dense else 0, head_rows)
+    if dense:
         return (q, k, v, do, lse, delta, dk, dv, q, q, *lengths, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1), hkv, hq // hkv,
-                q.shape[1], k.shape[1], win_right, qk_scale, sm_scale)
-    hq, hkv = q.shape[1], k.shape[1]
+                q.shape[1], k.shape[1], win_right, qk_scale, sm_scale, *fused)
     packed = (x for t in (q, k, v, do, dk, dv) for x in (0, *t.stride()[:2]))  # (batch 0, row, head) strides
     return (q, k, v, do, lse, delta, dk, dv, *cu_seqlens, *lengths, *packed, 0, lse.stride(0), hkv, hq // hkv,
-            *max_seqlens, win_right, qk_scale, sm_scale)
+            *max_seqlens, win_right, qk_scale, sm_scale, *fused)
