@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2):
+                 s=256, b=2, fused_dq=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -142,11 +142,13 @@ def main(argv=None) -> int:
         out, lse = attention_forward(q, k, v, var)
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
+        os.environ["TRITONATTN_BWD_FUSED_DQ"] = "1" if fused_dq else "0"
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
             os.environ.pop("TRITONATTN_ATOMIC_DQ")
             os.environ.pop("TRITONATTN_ATOMIC_DQ_TMA")
+            os.environ.pop("TRITONATTN_BWD_FUSED_DQ")
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
                 (f"gluon-atomic-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, atomic_dq=True)),
                 (f"gluon-atomic-dq-varlen-{dt}", 128, dtypes[dt], dict(base),
                  dict(s=2048, gluon=True, varlen=True, atomic_dq=True)),
+                # and deterministic (TRITONATTN_BWD_FUSED_DQ=1: additions ordered by semaphores)
+                (f"gluon-fused-dq-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fused_dq=True)),
                 # the Gluon forward's other head dims (from their lengths; no Gluon dK/dV kernel there)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
@@ -251,6 +255,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             failures += 1
             print(f"{label:28} FAILED TO COMPILE: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            if os.environ.get("COMPILE_CHECK_TRACE"):
+                print(e, repr(e.__cause__), repr(e.__context__))
             continue
         wanted = {"_fwd_ws_kernel"} | ({"_bwd_dkdv_ws_kernel"} if D in bwd.bwd_sm90.TILES else set())
         missing = wanted - {r["name"] for r in RESULTS[start:]}

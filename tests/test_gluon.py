@@ -335,7 +335,7 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert _after(t_args, cu_k, 3, 2) == (0, first)
     assert t_grid[0] == -(-(first - 1) // t_kwargs["BLOCK_N"]), t_grid
     _, grid, args, kwargs = seen[2]
-    assert len(args) == 43  # the kernel's runtime arguments, then its constexprs from the keywords
+    assert len(args) == 46  # the kernel's runtime arguments, then its constexprs from the keywords
     launch.tail_values(bwd_sm90._bwd_dkdv_ws_kernel, len(args), kwargs)
     assert kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
     assert grid == (-(-2500 // bwd_sm90.BLOCK_N), 2 * 2), grid
@@ -343,5 +343,5 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[12:15] == (0, 8 * 128, 128) and args[15:18] == (0, 2 * 128, 128)  # q, k (batch, row, head)
     assert args[30:32] == (0, 3001)  # lse / delta (batch, head)
     assert args[32:36] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
-    assert not kwargs.get("FUSED_DQ") and args[39:] == (q, 0, 0, 0)  # no fused dQ (its buffer unused)
+    assert not kwargs.get("FUSED_DQ") and args[39:] == (q, 0, 0, 0, q, 0, 0)  # no fused dQ (buffers unused)
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK

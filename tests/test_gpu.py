@@ -639,21 +639,28 @@ FUSED_DQ_CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", FUSED_DQ_CASES, ids=[case_id(*c) for c in FUSED_DQ_CASES])
-def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, monkeypatch, poison):
-    """TRITONATTN_ATOMIC_DQ=1 where the Gluon dK/dV kernel serves the call: dQ added by that
-    kernel's TMA reductions (FUSED_DQ), no dQ kernel; against the reference."""
+def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, deterministic, monkeypatch, poison):
+    """The Gluon dK/dV kernel computing dQ too (FUSED_DQ), its tiles added by TMA reductions, no dQ
+    kernel: in a fixed order (TRITONATTN_BWD_FUSED_DQ=1: semaphores, reruns bitwise equal) or in
+    any (TRITONATTN_ATOMIC_DQ=1); against the reference."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
-    monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ" if deterministic else "TRITONATTN_ATOMIC_DQ", "1")
     torch.manual_seed(Sq)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     names = _launched(monkeypatch)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
+    if deterministic:
+        for _ in range(3):
+            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            for a, b in zip(grads, again, strict=True):
+                assert torch.equal(a, b)
 
 
 def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):

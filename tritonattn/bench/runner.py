@@ -31,6 +31,8 @@ VARIANTS = {
     # by TMA reductions (sm_90), or by one atomic per element
     "tritonattn+atomic-dq": dict(),
     "tritonattn+atomic-dq-pointer": dict(),
+    # the Gluon dK/dV kernel computing dQ too, deterministic (TRITONATTN_BWD_FUSED_DQ=1 while measured)
+    "tritonattn+fused-dq": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -38,6 +40,7 @@ VARIANTS = {
 VARIANT_ENV = {
     "tritonattn+atomic-dq": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "1"},
     "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
+    "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "1"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

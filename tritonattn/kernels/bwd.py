@@ -613,6 +613,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     Returns (dq, dk, dv, dbias) with dbias float32 in ``bias_shape`` (or None).
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
+    fused_dq = atomic_dq or fused_dq_enabled()  # where the Gluon dK/dV kernel serves the call
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -620,8 +621,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     aligned = (TMA or GLUON) and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
     if aligned:
         _need_allocator()
-    key = None  # no plan for dBias or the atomic-dQ path (torch ops between the launches)
-    if bias_shape is None and not atomic_dq:
+    key = None  # no plan for dBias or the fused / atomic dQ paths (torch ops between the launches)
+    if bias_shape is None and not fused_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
@@ -673,7 +674,11 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     # delta shares lse's strides (the kernels index both with them)
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
         b.unplanned(torch.empty_like(lse))
-    if atomic_dq:  # no dQ kernel to compute delta on its way (below): a pass of its own
+    dkdv_classes = classes(dkdv_route)
+    # the Gluon dK/dV kernel computing dQ as well (FUSED_DQ; the atomic path has one class, and the
+    # fused path takes one too: its dQ buffer is the call's)
+    fused = fused_dq and all(cfg == GLUON_ROUTE for *_, cfg in dkdv_classes)
+    if atomic_dq or fused:  # no dQ kernel to compute delta on its way (below): a pass of its own
         cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
         pre = configs.preprocess_config(q)
         wide = configs.heads_first(False, k, B * Hq)  # only past the grid's y limit
@@ -687,15 +692,17 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch,
                    classes(dq_route))
 
-    dkdv_classes = classes(dkdv_route)
     # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0): q-shaped for the
     # Triton dK/dV kernel; heads before rows for the Gluon one (its TMA reductions address the
-    # buffer as one matrix of rows, and add dQ already scaled)
-    fused = atomic_dq and dkdv_classes[0][2] == GLUON_ROUTE  # (the atomic path has one class)
-    dqa = None
+    # buffer as one matrix of rows, and add dQ already scaled), with the semaphores that order its
+    # additions unless the call opted into atomics
+    dqa = sem = None
     if fused:
         dqa = torch.zeros((Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), dtype=torch.float32,
                           device=q.device)
+        cu = (var.cu_seqlens_q, var.cu_seqlens_k) if var.varlen else None
+        if not atomic_dq:
+            sem = torch.zeros(bwd_sm90.sem_blocks(q, cu), dtype=torch.int32, device=q.device)
     elif atomic_dq:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_tma = atomic_dq and _dq_tma_ok(q)
@@ -710,10 +717,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                         lengths=(lo, hi)) if var.varlen else {}
             b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
                      bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                          var.softmax_scale, dqa=dqa if fused else None, **seqs),
+                                          var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                      dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                           num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                          FUSED_DQ=fused))
+                          FUSED_DQ=fused, DETERMINISTIC=sem is not None))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -783,6 +790,18 @@ def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int 
     return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do, varlen=GLUON_VARLEN,
                                       longest=longest)
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
+
+
+def fused_dq_enabled() -> bool:
+    """TRITONATTN_BWD_FUSED_DQ=1: where the Gluon dK/dV kernel serves every length class of the
+    call, it computes dQ too (FUSED_DQ: 5 matrix products per tile, not the split's 7), its tiles
+    added to an fp32 buffer by TMA reductions in a fixed order (DETERMINISTIC: semaphores), so
+    reruns stay bitwise equal."""
+    return configs.env_flag("TRITONATTN_BWD_FUSED_DQ", default=FUSED_DQ)
+
+
+# the default of TRITONATTN_BWD_FUSED_DQ (measured in benchmarks/NOTES.md, sixteenth session)
+FUSED_DQ = False
 
 
 def atomic_dq_enabled() -> bool:

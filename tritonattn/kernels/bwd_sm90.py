@@ -134,20 +134,16 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-              sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA, dqa_rows,
-              dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
+              sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem, ds_bars,
+              dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
     key0 = start_n + WG * HALF
     mbarrier.wait(kv_bar, 0)
-    if FUSED_DQ:  # this consumer's half of the dQ columns, added to the fp32 buffer by TMA reductions
-        stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, HEAD_DIM // 2],
-                                             stage_layout)
+    if FUSED_DQ:  # this consumer's half of the dQ columns, handed to the writer partition
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                                STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_desc, dqa_row0,
-                                dqa_head_rows, sm_scale)
-        tma.store_wait(pendings=0)  # the last reduction has read its staging tile before the CTA exits
+                                STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_full.index(WG),
+                                dq_empty.index(WG), sm_scale)
     else:
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
@@ -156,11 +152,78 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
 
 
 @gluon.jit
+def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, n_key_blks,
+               Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk) it adds
+    both consumers' staged dQ tiles to the fp32 buffer with TMA reductions (rows ``dqa_row0 + g *
+    dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles back once read.
+
+    DETERMINISTIC: the programs of a head add into a query block in a fixed order, from the last
+    key block that sees the block down to the first (the semaphore ``SEM[sem0 + g * sem_head +
+    blk]`` counts the additions done; program ``key_blk`` waits for its rank, adds, waits for its
+    additions to complete and counts itself). The launch runs the key blocks last first, so a
+    program waits only on programs started before it. Without it, the additions land in any order."""
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, DQ_COLS], layout)
+    t = 0
+    for g in range(GROUP):
+        for i in range(n_m):
+            blk = lo_blk + i
+            if DETERMINISTIC:
+                p_sem = SEM + sem0 + g * sem_head + blk
+                rank = _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL, BLOCK_M) - key_blk
+                while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
+                    pass
+                _fence_proxy_async_global()  # the others' additions before ours
+            row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
+            for wg in gl.static_range(2):
+                mbarrier.wait(dq_full.index(wg), t & 1)
+                _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
+            tma.store_wait(pendings=0)  # the staging tiles are read: back to the consumers
+            mbarrier.arrive(dq_empty.index(0))
+            mbarrier.arrive(dq_empty.index(1))
+            if DETERMINISTIC:
+                _wait_bulk_complete()  # our additions are done before the next program's start
+                gl.thread_barrier()
+                gl.atomic_add(p_sem, 1, sem="release")
+            t += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The last key block (of BLOCK_N keys) whose program adds into query block ``blk``: every
+    program's query blocks run from its lo_blk (see the kernel) to the last, so the blocks are
+    0 .. this one."""
+    last = n_key_blks - 1
+    if CAUSAL:
+        # the partial last query block (Sq not a multiple of BLOCK_M) is every program's: lo_blk <= Sq // BLOCK_M
+        if (Sq % BLOCK_M == 0) | (blk != Sq // BLOCK_M):
+            last = gl.minimum(last, (blk * BLOCK_M + BLOCK_M - 1 + shift) // (2 * HALF))
+    return last
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _wait_bulk_complete():
+    """This thread's bulk (TMA) operations complete, their writes done (tma.store_wait waits only
+    until they have read shared memory), and ordered before later generic accesses."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m, shift,
                 qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                 STAGES: gl.constexpr, FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None,
-                ds_smem=None, ds_bars=None, dq_stage=None, dq_desc=None, dq_row0=0, dq_head_rows=0,
-                sm_scale=1.0):
+                ds_smem=None, ds_bars=None, dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0):
     """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
     loads, each slot released after its products. Returns dk, dv and the ring's next block.
@@ -168,10 +231,9 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
     FUSED_DQ (consumer ``WG`` of the two): also this program's share of dQ, FlashAttention-3's way.
     Each consumer writes its dS^T tile to ``ds_smem`` (slot 2 (step parity) + WG) and arrives on
     ``ds_bars`` (step parity); once both halves are there it computes dQ's columns
-    [WG * D/2, (WG + 1) * D/2) of the block over all 128 keys (dS ``k_all``, scaled by ``sm_scale``),
-    stages them in ``dq_stage`` (fp32) and adds them to the buffer behind ``dq_desc`` with one TMA
-    reduction (rows ``dq_row0 + g * dq_head_rows + query`` for query head g of the group). Not
-    deterministic: the programs of other key blocks add into the same rows in no fixed order."""
+    [WG * D/2, (WG + 1) * D/2) of the block over all 128 keys (dS ``k_all``, scaled by ``sm_scale``)
+    and stages them in ``dq_stage`` (fp32) for the writer partition (_dq_writer): it waits on
+    ``dq_empty`` (the writer read the last tile) and arrives on ``dq_full``."""
     dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -188,7 +250,7 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
-    for g in range(GROUP):  # each query head of the group
+    for _g in range(GROUP):  # each query head of the group
         for i in range(n_m):
             slot = t % STAGES
             offs_m = (lo_blk + i) * BLOCK_M + offs_mb
@@ -230,13 +292,11 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
                 dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
                                    k_all.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                tma.store_wait(pendings=0)  # the last step's reduction has read the staging tile
-                gl.thread_barrier()
+                mbarrier.wait(dq_empty, (t & 1) ^ 1)  # the writer has read the last step's tile
                 dq_stage.store(dq * sm_scale)
                 fence_async_shared()
-                gl.thread_barrier()  # the whole tile before the one lane's reduction
-                _tma_reduce_add(dq_desc, [dq_row0 + g * dq_head_rows + (lo_blk + i) * BLOCK_M, WG * DQ_COLS],
-                                dq_stage)
+                gl.thread_barrier()  # the whole tile before the arrival
+                mbarrier.arrive(dq_full)
             t += 1
     return dk, dv, t
 
@@ -274,9 +334,10 @@ def _bwd_dkdv_ws_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h,
     Hkv, GROUP, Sq, Sk, win_right, qk_scale, sm_scale,
-    DQA, dqa_rows, dqa_batch_rows, dqa_head_rows,
+    DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -285,7 +346,6 @@ def _bwd_dkdv_ws_kernel(
     bh = gl.program_id(1)
     off_b = (bh // Hkv).to(gl.int64)
     off_hk = (bh % Hkv).to(gl.int64)
-    start_n = pid_n * (2 * HALF)
     # variable length (IS_VARLEN): sequence off_b is rows [cu[b], cu[b + 1]) of the packed (total, H, D)
     # tensors (batch strides 0), Sq / Sk the longest; lse / delta (Hq, total_q) with a batch stride of 0
     q_start = 0
@@ -298,12 +358,19 @@ def _bwd_dkdv_ws_kernel(
         Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
         longest = gl.maximum(Sq, Sk)
         # past this sequence's keys, or a sequence of another length class (launch.length_classes)
-        if (start_n >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
+        if (pid_n * (2 * HALF) >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
             return
         # a sequence with no query: its keys' dK / dV are 0 (no block loaded); a one-row descriptor
         q_rows = gl.maximum(Sq, 1)
         if Sq == 0:
             q_start = q_start * 0
+
+    # the program's key block; FUSED_DQ with DETERMINISTIC: the last first (_dq_writer)
+    n_key_blks = gl.cdiv(Sk, 2 * HALF)
+    key_blk = pid_n
+    if FUSED_DQ and DETERMINISTIC:
+        key_blk = n_key_blks - 1 - pid_n
+    start_n = key_blk * (2 * HALF)
 
     # queries [lo_blk * BLOCK_M, Sq) see some key of the block (causal: query i sees j <= i + shift)
     shift = Sk - Sq + win_right
@@ -328,18 +395,19 @@ def _bwd_dkdv_ws_kernel(
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
     if FUSED_DQ:
         # dS^T tiles by (step parity, consumer), 4 x 8 KB, a barrier per parity (both consumers
-        # arrive), and each consumer's fp32 dQ tile on its way to the TMA reduction, 2 x 16 KB
+        # arrive), and each consumer's fp32 dQ tile for the writer, 2 x 16 KB, with a full and an
+        # empty barrier each (without FUSED_DQ the partitions get other buffers in their place, unread)
         ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], layout)
         ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ds_bars.index(i), count=2)
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
                                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
                                                                   rank=2))
-    else:  # (not read)
-        ds_smem = k_smem
-        ds_bars = kv_bar
-        dq_stage = k_smem
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bars.index(i), count=2)
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
     fence_async_shared()
 
     q_base = Q + off_b * stride_qb + q_start * stride_qm
@@ -350,41 +418,66 @@ def _bwd_dkdv_ws_kernel(
     dv_base = DV + off_b * stride_dvb + k_start * stride_dvn + off_hk * stride_dvh
     lse_base = LSE + off_b * stride_lse_b + q_start
     delta_base = DELTA + off_b * stride_lse_b + q_start
-    # FUSED_DQ: the buffer's rows of this batch entry's first query head of the group
-    dqa_row0 = (off_b * dqa_batch_rows + off_hk * GROUP * dqa_head_rows + q_start).to(gl.int32)
-    gl.warp_specialize([
-        (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA,
-                     dqa_rows, dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL, HEAD_DIM, BLOCK_M,
-                     STAGES, FUSED_DQ)),
-        (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
-                     sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, DQA,
-                     dqa_rows, dqa_row0, dqa_head_rows, ds_smem, ds_bars, dq_stage, CAUSAL, HEAD_DIM, BLOCK_M,
-                     STAGES, FUSED_DQ)),
-        (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
-                     stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem,
-                     kv_bar,
-                     ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem, HEAD_DIM, BLOCK_M, STAGES)),
-    ], [4, 1], [240, 24])
+    if FUSED_DQ:
+        # the buffer's rows, and the semaphores, of this batch entry's first query head of the group
+        dqa_row0 = (off_b * dqa_batch_rows + off_hk * GROUP * dqa_head_rows + q_start).to(gl.int32)
+        sem0 = off_b * sem_batch + off_hk * GROUP * sem_head
+        if IS_VARLEN:  # (a sequence's blocks: from its first row's block + its index, see launch_args)
+            sem0 += q_start // BLOCK_M + off_b
+        gl.warp_specialize([
+            (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                         sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True)),
+            (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                         sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True)),
+            (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
+                         stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
+                         do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
+                         HEAD_DIM, BLOCK_M, STAGES)),
+            (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
+                          n_key_blks, Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M,
+                          DETERMINISTIC)),
+        ], [4, 1, 1], [240, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                         sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False)),
+            (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
+                         sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False)),
+            (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
+                         stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
+                         do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
+                         HEAD_DIM, BLOCK_M, STAGES)),
+        ], [4, 1], [240, 24])
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
-                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP), dqa=None) -> tuple:
+                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP), dqa=None, sem=None) -> tuple:
     """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
     ``max_seqlens`` (max_q, max_k); q / do (total_q, Hq, D), k / v / dk / dv (total_k, Hkv, D),
     lse / delta (Hq, total_q); ``lengths`` (lo, hi): the launch serves the sequences whose longest
     side is in [lo, hi) (a length class, launch.length_classes). ``dqa`` (the kernel's FUSED_DQ):
     the contiguous fp32 buffer that dQ (scaled) is added to, (B, Hq, Sq, D), or (Hq, total_q, D)
-    packed, zeroed by the caller."""
+    packed, zeroed by the caller; ``sem`` (DETERMINISTIC): int32 zeros, ``sem_blocks(q, cu_seqlens)``
+    of them."""
     dense = cu_seqlens is None
     hq, hkv = (q.shape[2], k.shape[2]) if dense else (q.shape[1], k.shape[1])
     if dqa is None:
-        fused = (q, 0, 0, 0)
+        fused = (q, 0, 0, 0, q, 0, 0)
     else:
         assert dqa.is_contiguous() and dqa.dtype == torch.float32 and dqa.shape[-1] == q.shape[-1]
         head_rows = dqa.shape[-2]
         fused = (dqa, dqa.numel() // dqa.shape[-1], hq * head_rows if dense else 0, head_rows)
+        if sem is None:
+            fused += (q, 0, 0)
+        else:
+            assert sem.dtype == torch.int32 and sem.numel() == sem_blocks(q, cu_seqlens)
+            per_head = sem.numel() // (hq * q.shape[0]) if dense else sem.numel() // hq
+            fused += (sem, per_head * hq if dense else 0, per_head)
     if dense:
         return (q, k, v, do, lse, delta, dk, dv, q, q, *lengths, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], lse.stride(0), lse.stride(1), hkv, hq // hkv,
@@ -392,3 +485,14 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float
     packed = (x for t in (q, k, v, do, dk, dv) for x in (0, *t.stride()[:2]))  # (batch 0, row, head) strides
     return (q, k, v, do, lse, delta, dk, dv, *cu_seqlens, *lengths, *packed, 0, lse.stride(0), hkv, hq // hkv,
             *max_seqlens, win_right, qk_scale, sm_scale, *fused)
+
+
+def sem_blocks(q, cu_seqlens=None) -> int:
+    """How many semaphores FUSED_DQ with DETERMINISTIC counts with: one per (batch entry, query head,
+    query block). Packed: per head, cdiv(total_q, BLOCK_M) + B, sequence b's block i at
+    ``cu_q[b] // BLOCK_M + b + i`` (distinct across sequences: floor(a / m) + ceil(l / m) <=
+    floor((a + l) / m) + 1)."""
+    block_m = TILES[q.shape[-1]][0]
+    if cu_seqlens is None:
+        return q.shape[0] * q.shape[2] * -(-q.shape[1] // block_m)
+    return q.shape[1] * (-(-q.shape[0] // block_m) + cu_seqlens[0].shape[0] - 1)
