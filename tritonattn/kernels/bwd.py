@@ -720,7 +720,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                                           var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                      dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                           num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                          FUSED_DQ=fused, DETERMINISTIC=sem is not None))
+                          FUSED_DQ=fused, DETERMINISTIC=sem is not None, DQ_SPT=bwd_sm90.DQ_SPT,
+                          DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
