@@ -185,8 +185,12 @@ def main(argv=None) -> int:
                 (f"gluon-atomic-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, atomic_dq=True)),
                 (f"gluon-atomic-dq-varlen-{dt}", 128, dtypes[dt], dict(base),
                  dict(s=2048, gluon=True, varlen=True, atomic_dq=True)),
-                # and deterministic (TRITONATTN_BWD_FUSED_DQ=1: additions ordered by semaphores)
-                (f"gluon-fused-dq-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fused_dq=True)),
+                # and deterministic (the default from configs.FUSED_DQ_MIN_SEQLEN: additions ordered by
+                # semaphores), dense and packed (a launch per length class: the fused one, the Gluon
+                # dK/dV kernel without dQ, the Triton one)
+                (f"gluon-fused-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True)),
+                (f"gluon-fused-dq-varlen-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, varlen=True,
+                                                                          fused_dq=True)),
                 # the Gluon forward's other head dims (from their lengths; no Gluon dK/dV kernel there)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),

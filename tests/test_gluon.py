@@ -345,3 +345,78 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[32:36] == (2, 4, 3000, 2500)  # Hkv, GROUP, longest query and key sequences
     assert not kwargs.get("FUSED_DQ") and args[39:] == (q, 0, 0, 0, q, 0, 0)  # no fused dQ (buffers unused)
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["default", "off"])
+def test_fused_dq_launches(monkeypatch, env):
+    """The backward's fused dQ (configs.FUSED_DQ_MIN_SEQLEN, bwd.fused_dq_enabled; CPU tensors as if
+    on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
+    preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
+    buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask,
+    or with TRITONATTN_BWD_FUSED_DQ=0, the dQ kernel and the Gluon dK/dV kernel without it."""
+    from tritonattn.kernels import launch, plan
+
+    if env is not None:
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", env)
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+    S = configs.FUSED_DQ_MIN_SEQLEN[128][0]
+    q, k, v = qkv(Sq=S, Sk=S)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
+    for causal in (False, True):
+        plan.clear()
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0 if causal else None))
+        fused = not causal and env is None
+        names = [name for name, *_ in seen]
+        assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"] if fused else
+                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, names)
+        _, grid, args, kwargs = seen[-1]
+        assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
+        if fused:
+            dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
+            assert dqa.shape == (2, 8, S, 128) and dqa.dtype == torch.float32 and not dqa.any()
+            assert (rows, batch_rows, head_rows) == (2 * 8 * S, 8 * S, S)
+            blocks = S // bwd.bwd_sm90.TILES[128][0]
+            assert sem.dtype == torch.int32 and sem.numel() == 2 * 8 * blocks and not sem.any()
+            assert (sem_batch, sem_head) == (8 * blocks, blocks)
+
+
+def test_fused_dq_varlen_classes(monkeypatch):
+    """A packed call without a mask whose sequences straddle the fused dQ's length (CPU tensors as
+    if on sm_90, launches recorded): the delta preprocess, the fused Gluon launch for the class from
+    that length (its buffer (Hq, total_q, D), a semaphore per (head, block) with a sequence's blocks
+    from cu_q[b] // BLOCK_M + b), then the dQ kernel for the shorter classes only, then their dK/dV
+    launches (the Gluon kernel without dQ, the Triton one): each sequence as its own dense call."""
+    from tritonattn.kernels.common import LENGTH_CAP
+
+    seen, *_ = _recorded_varlen_call(monkeypatch, bwd)
+    first = configs.FUSED_DQ_MIN_SEQLEN[128][0]
+    lens = [first, 700, 100]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lens)
+    q = torch.empty(total, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(total, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=first, max_seqlen_k=first)
+    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(8, total), var)
+    names = [name for name, *_ in seen]
+    assert names[:2] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    _, _, args, kwargs = seen[1]
+    assert kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and kwargs["IS_VARLEN"]
+    assert _after(args, cu, 2, 2) == (first, LENGTH_CAP)  # (cu_q, cu_k, LEN_LO, LEN_HI)
+    dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
+    assert dqa.shape == (8, total, 128) and (rows, batch_rows, head_rows) == (8 * total, 0, total)
+    block_m = bwd.bwd_sm90.TILES[128][0]
+    assert sem.numel() == 8 * (-(-total // block_m) + 3) and (sem_batch, sem_head) == (0, sem.numel() // 8)
+    rest = seen[2:]
+    at = bwd._bwd_dq_kernel.arg_names.index("LEN_LO")
+    dq_launches = [tuple(a[at:at + 2]) for n, _, a, _ in rest if n == "_bwd_dq_kernel"]
+    assert dq_launches and all(hi <= first for _, hi in dq_launches), dq_launches
+    assert [n for n, *_ in rest if n != "_bwd_dq_kernel"] == ["_bwd_dkdv_kernel", "_bwd_dkdv_ws_kernel"], names
+    gluon = next(kw for n, _, _, kw in rest if n == "_bwd_dkdv_ws_kernel")
+    assert not gluon["FUSED_DQ"]
+    # the dQ kernel launches after the fused one's buffer was copied into dq: none before it
+    assert names.index("_bwd_dq_kernel") > 1

@@ -516,6 +516,28 @@ def test_varlen_bitwise_equals_dense_on_gpu(causal, invariant, poison, monkeypat
         assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), b
 
 
+def test_varlen_fused_dq_bitwise_equals_dense_on_gpu(poison, monkeypatch):
+    """A packed call without a mask whose sequences straddle the fused dQ's length
+    (configs.FUSED_DQ_MIN_SEQLEN): the long ones through the Gluon kernel computing dQ too, the
+    others through the dQ kernel and the Gluon / Triton dK/dV kernels; every sequence bitwise what
+    its own dense call gives (which takes the same path), and within the reference's tolerance."""
+    plan.clear()
+    first = configs.FUSED_DQ_MIN_SEQLEN[128][0]
+    lens = [first + 100, 700, 1, 2100, first, 0, 333]
+    cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 8, 2, False, seed=4)
+    check_varlen_against_reference(q, k, v, out, lse, (dq, dk, dv), dout, cu, False)
+    names = _launched(monkeypatch)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        s0, s1 = cu[b].item(), cu[b + 1].item()
+        qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t in (q, k, v))
+        ob = flash_attn_func(qb, kb, vb)
+        gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[s0:s1][None])
+        assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), b
+    assert "_bwd_preprocess_kernel" in names  # (the long sequences' dense calls took the fused path)
+
+
 def test_wide_forward_tile_dense_only(poison, monkeypatch):
     """The wide short forward tile follows the call's tile count, so only dense calls take it: a
     short varlen call without causal masking and with many query tiles in all (ragged, an empty

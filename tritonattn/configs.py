@@ -320,6 +320,13 @@ GLUON_MIN_SEQLEN = {
     "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
     "bwd_dkdv": {128: (512, 2048)},
 }
+# The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
+# its tiles added in a fixed order: bwd.fused_dq_enabled), by head dim: (without, with a mask) the
+# first length, None for never. Sixteenth session, H200, llama shape, the whole backward against the
+# split kernels: without a mask 0.95x the time at 2048 (0.94-1.06x over two runs), 0.93x at 4096,
+# 0.87x at 8192, 0.88x at 16384; with one 1.09-1.17x (slower: the semaphores' order serialises the
+# programs of a head, which the causal mask staggers; NOTES).
+FUSED_DQ_MIN_SEQLEN = {128: (4096, None)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
@@ -354,11 +361,19 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
+def fused_dq_serves(head_dim: int, masked: bool, longest: int) -> bool:
+    """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
+    or not, whose longest side is ``longest``) computes dQ too: :data:`FUSED_DQ_MIN_SEQLEN`."""
+    first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
+    return first is not None and longest >= first
+
+
 def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
-    (launch.length_classes): past SHORT_SEQLEN, and the Gluon kernels' first lengths."""
+    (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair}
-    return {SHORT_SEQLEN + 1, *gluon}
+    fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None}
+    return {SHORT_SEQLEN + 1, *gluon, *fused}
 
 
 def forward_config(q: torch.Tensor, causal: bool, extra_smem: bool = False, seqlen: int = 0,

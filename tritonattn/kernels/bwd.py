@@ -21,6 +21,7 @@ import triton.language as tl
 from tritonattn import autotune, configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import (
+    LENGTH_CAP,
     LOG2E,
     dropout_keep,
     head_setup,
@@ -613,7 +614,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     Returns (dq, dk, dv, dbias) with dbias float32 in ``bias_shape`` (or None).
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
-    fused_dq = atomic_dq or fused_dq_enabled()  # where the Gluon dK/dV kernel serves the call
+    fused_default = fused_dq_enabled()  # the ordered fused dQ where configs.fused_dq_serves
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -621,12 +622,12 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     aligned = (TMA or GLUON) and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
     if aligned:
         _need_allocator()
-    key = None  # no plan for dBias or the fused / atomic dQ paths (torch ops between the launches)
-    if bias_shape is None and not fused_dq:
+    key = None  # no plan for dBias or the atomic dQ path (torch ops between the launches)
+    if bias_shape is None and not atomic_dq:
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT,
+               configs.BATCH_INVARIANT, fused_default,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -662,6 +663,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
+            if atomic_dq or fused_default and configs.fused_dq_serves(D, var.win_right is not None, longest):
+                return GLUON_FUSED_ROUTE
             return GLUON_ROUTE
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
                                             seqlen=longest)
@@ -675,10 +678,12 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
         b.unplanned(torch.empty_like(lse))
     dkdv_classes = classes(dkdv_route)
-    # the Gluon dK/dV kernel computing dQ as well (FUSED_DQ; the atomic path has one class, and the
-    # fused path takes one too: its dQ buffer is the call's)
-    fused = fused_dq and all(cfg == GLUON_ROUTE for *_, cfg in dkdv_classes)
-    if atomic_dq or fused:  # no dQ kernel to compute delta on its way (below): a pass of its own
+    # the classes whose Gluon dK/dV kernel computes dQ too (FUSED_DQ): the longest ones (the route is
+    # monotone in the length), so the dQ kernel serves the sequences shorter than the first
+    fused = [(lo, hi) for lo, hi, cfg in dkdv_classes if cfg == GLUON_FUSED_ROUTE]
+    split_below = fused[0][0] if fused else LENGTH_CAP
+    assert all(cfg == GLUON_FUSED_ROUTE for lo, _, cfg in dkdv_classes if lo >= split_below), dkdv_classes
+    if atomic_dq or fused:  # delta for the kernels that have no dQ kernel to compute it on its way
         cu_q, _, stride_lb, stride_lh = var.seq_args(q, lse)
         pre = configs.preprocess_config(q)
         wide = configs.heads_first(False, k, B * Hq)  # only past the grid's y limit
@@ -688,22 +693,39 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             IS_VARLEN=var.varlen, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
             HEADS_FIRST=wide,
         ))
-    else:  # dQ first (every class): its programs compute delta (rowsum(dO * O)) for the dK/dV kernel
-        _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch,
-                   classes(dq_route))
 
-    # fp32 dQ accumulator of the atomic path, zeroed (rows of no sequence stay 0): q-shaped for the
-    # Triton dK/dV kernel; heads before rows for the Gluon one (its TMA reductions address the
-    # buffer as one matrix of rows, and add dQ already scaled), with the semaphores that order its
-    # additions unless the call opted into atomics
-    dqa = sem = None
+    def launch_gluon(lo, hi, dqa=None, sem=None):
+        block_m, stages = bwd_sm90.TILES[D]
+        seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
+                    lengths=(lo, hi)) if var.varlen else {}
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
+                 bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
+                                      var.softmax_scale, dqa=dqa, sem=sem, **seqs),
+                 dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                      num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
+                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None, DQ_SPT=bwd_sm90.DQ_SPT,
+                      DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES))
+
+    dqa = None
     if fused:
+        # the fused classes first. Their fp32 dQ buffer has heads before rows (the TMA reductions
+        # address it as one matrix of rows) and gets dQ scaled; with the semaphores that order the
+        # additions unless the call opted into atomics. Its copy into dq writes the other classes'
+        # rows as zeros, which the dQ kernel (after) overwrites with theirs
         dqa = torch.zeros((Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), dtype=torch.float32,
                           device=q.device)
         cu = (var.cu_seqlens_q, var.cu_seqlens_k) if var.varlen else None
-        if not atomic_dq:
-            sem = torch.zeros(bwd_sm90.sem_blocks(q, cu), dtype=torch.int32, device=q.device)
-    elif atomic_dq:
+        sem = None if atomic_dq else torch.zeros(bwd_sm90.sem_blocks(q, cu), dtype=torch.int32, device=q.device)
+        for lo, hi in fused:
+            launch_gluon(lo, hi, dqa, sem)
+        dq.copy_(dqa.transpose(0, 1) if var.varlen else dqa.transpose(1, 2))
+    if not atomic_dq and split_below > 0:
+        # dQ before dK / dV (its programs compute delta, rowsum(dO * O), for the dK/dV kernels)
+        dq_classes = [(lo, min(hi, split_below), cfg) for lo, hi, cfg in classes(dq_route) if lo < split_below]
+        _launch_dq(q, k, v, do, lse, delta, dq, out, var, strides, var_args, scales, flags, b.launch, dq_classes)
+
+    # the atomic path's fp32 dQ for the Triton dK/dV kernel, q-shaped, zeroed (rows of no sequence stay 0)
+    if atomic_dq and not fused:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_tma = atomic_dq and _dq_tma_ok(q)
     if dq_tma:
@@ -711,17 +733,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     dkdv_flags = dict(flags, ATOMIC_DQ=atomic_dq, **({"DQ_TMA": dq_tma} if atomic_dq else {}))
 
     for lo, hi, cfg in dkdv_classes:
+        if cfg == GLUON_FUSED_ROUTE:
+            continue
         if cfg == GLUON_ROUTE:
-            block_m, stages = bwd_sm90.TILES[D]
-            seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
-                        lengths=(lo, hi)) if var.varlen else {}
-            b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
-                     bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                          var.softmax_scale, dqa=dqa, sem=sem, **seqs),
-                     dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                          num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                          FUSED_DQ=fused, DETERMINISTIC=sem is not None, DQ_SPT=bwd_sm90.DQ_SPT,
-                          DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES))
+            launch_gluon(lo, hi)
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -747,11 +762,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
         autotune.launch_tuned("bwd_dkdv", q, var.causal, min(Sq, hi - 1), sk, dkdv_flags, cfg, run_dkdv)
 
-    if fused:
-        dq.copy_(dqa.transpose(0, 1) if var.varlen else dqa.transpose(1, 2))
-    elif atomic_dq:
+    if atomic_dq and not fused:
         dq.copy_(dqa.mul_(var.softmax_scale))
-    if key is not None:
+    if key is not None and not fused:  # (the fused path's torch ops between launches: no plan)
         return (*b.finish((dq, dk, dv)), None)
 
     dbias = None
@@ -802,7 +815,8 @@ def fused_dq_enabled() -> bool:
 
 
 # the default of TRITONATTN_BWD_FUSED_DQ (measured in benchmarks/NOTES.md, sixteenth session)
-FUSED_DQ = False
+FUSED_DQ = True
+GLUON_FUSED_ROUTE = "gluon-fused"  # a length class whose Gluon dK/dV kernel computes dQ too
 
 
 def atomic_dq_enabled() -> bool:
