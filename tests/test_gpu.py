@@ -665,11 +665,15 @@ FUSED_DQ_CASES = [
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", FUSED_DQ_CASES, ids=[case_id(*c) for c in FUSED_DQ_CASES])
 def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, deterministic, monkeypatch, poison):
     """The Gluon dK/dV kernel computing dQ too (FUSED_DQ), its tiles added by TMA reductions, no dQ
-    kernel: in a fixed order (TRITONATTN_BWD_FUSED_DQ=1: semaphores, reruns bitwise equal) or in
-    any (TRITONATTN_ATOMIC_DQ=1); against the reference."""
+    kernel: in a fixed order (semaphores, reruns bitwise equal; the default from
+    configs.FUSED_DQ_MIN_SEQLEN, here at every length and with a mask) or in any
+    (TRITONATTN_ATOMIC_DQ=1); against the reference."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ" if deterministic else "TRITONATTN_ATOMIC_DQ", "1")
+    # the ordered path wherever the Gluon kernel serves the call (by default only from its own
+    # lengths, configs.FUSED_DQ_MIN_SEQLEN: here with a causal mask and shorter calls as well)
+    monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, 128, (0, 0))
     torch.manual_seed(Sq)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

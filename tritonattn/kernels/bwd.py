@@ -5,9 +5,12 @@ dK/dV kernel that also adds dQ.) Under a causal mask the programs may start head
 (``configs.heads_first``).
 
 On sm_90 the dK/dV kernel of the calls ``_gluon_ok`` admits is the Gluon one
-(kernels/bwd_sm90.py); the dQ kernel stays this module's.
+(kernels/bwd_sm90.py); the dQ kernel stays this module's, except where that Gluon kernel computes
+dQ too (configs.fused_dq_serves: a delta preprocess, then the Gluon kernel adding its dQ tiles to an
+fp32 buffer by TMA reductions in a fixed order, then a copy into dQ).
 
-No atomics: each program owns the rows of the gradient it writes, so reruns are bitwise equal.
+Deterministic: each program owns the rows of the gradient it writes, or (the fused dQ) adds them in
+an order fixed by semaphores, so reruns are bitwise equal.
 The dK/dV program of a kv head walks the query heads of its GQA group itself, so dK/dV sum over
 the group without an expanded K/V or a reduction pass. With dropout, dS = P * (dP * Z - delta)
 where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.

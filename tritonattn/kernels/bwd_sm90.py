@@ -15,9 +15,12 @@ bytes, plain / causal, from 72 / 128 when the consumers loaded them from global 
 kernel was 1-4% slower on the H200, NOTES twelfth session). The kernel is built from per-tile
 helpers (_load_kv, _load_query_blocks, _accumulate, _store_dkdv) that a persistent experiment
 (benchmarks/experiments/gluon_bwd_persistent.py) calls once per tile.
-Deterministic (no atomics). dQ and delta (rowsum(dO * O)) stay with the Triton dQ kernel, which
-runs first: a Gluon dQ kernel of the same structure was measured at 0.91-1.03x it (NOTES,
-eleventh session).
+Deterministic. dQ and delta (rowsum(dO * O)) stay with the Triton dQ kernel, which runs first (a
+Gluon dQ kernel of the same structure was measured at 0.91-1.03x it, NOTES, eleventh session),
+except with FUSED_DQ: a writer warp (_dq_writer) adds the consumers' dQ tiles to an fp32 buffer
+with TMA bulk reductions, in a fixed order per query block with DETERMINISTIC (the default where
+configs.fused_dq_serves), in any order for the opt-in TRITONATTN_ATOMIC_DQ=1 (NOTES, sixteenth
+session).
 
 Serves what ``bwd._gluon_ok`` admits: sm_90, Triton 3.6, 16-bit, head dims in TILES, dense, no
 variant but a causal mask or a window's right edge, Q / K / V / dO readable through tensor
