@@ -18,17 +18,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-from tritonattn import flash_attn_func  # noqa: E402
+from tritonattn import configs, flash_attn_func  # noqa: E402
 from tritonattn.kernels import bwd_sm90  # noqa: E402
 
-VARIANTS = [  # name, env, DQ_SPT, DQ_WAIT_WRITES
-    ("split", {}, True, True),
-    ("atomic", {"TRITONATTN_ATOMIC_DQ": "1"}, True, True),
-    ("ordered spt wait", {"TRITONATTN_BWD_FUSED_DQ": "1"}, True, True),
-    ("ordered spt read", {"TRITONATTN_BWD_FUSED_DQ": "1"}, True, False),
-    ("ordered lpt wait", {"TRITONATTN_BWD_FUSED_DQ": "1"}, False, True),
-    ("ordered lpt read", {"TRITONATTN_BWD_FUSED_DQ": "1"}, False, False),
+FUSED = {"TRITONATTN_BWD_FUSED_DQ": "1"}
+VARIANTS = [  # name, env, module switches of bwd_sm90 (FUSED_DQ_MIN_SEQLEN: every length, with a mask too)
+    ("split", {"TRITONATTN_BWD_FUSED_DQ": "0"}, {}),
+    ("atomic", {"TRITONATTN_ATOMIC_DQ": "1"}, {}),
+    ("ordered spt wait", FUSED, {}),
+    ("ordered spt read", FUSED, dict(DQ_WAIT_WRITES=False)),
+    ("ordered lpt wait", FUSED, dict(DQ_SPT=False)),
+    ("spt, no turn wait (unordered)", FUSED, dict(DQ_SPIN=False)),
+    ("spt, no turn wait, no count (unordered)", FUSED, dict(DQ_SPIN=False, DQ_RELEASE=False)),
+    ("lpt, no turn wait, no count (unordered)", FUSED, dict(DQ_SPT=False, DQ_SPIN=False, DQ_RELEASE=False)),
 ]
+SWITCHES = dict(DQ_SPT=True, DQ_WAIT_WRITES=True, DQ_SPIN=True, DQ_RELEASE=True)
 
 
 def main(argv=None) -> int:
@@ -37,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args(argv)
+    configs.FUSED_DQ_MIN_SEQLEN[128] = (0, 0)
     print("| S | causal | variant | ms | x split | reruns equal | max abs dQ - split's |")
     print("|---|---|---|---|---|---|---|")
     for S in args.seqlens:
@@ -48,10 +53,11 @@ def main(argv=None) -> int:
             out = flash_attn_func(q, k, v, causal=causal)
             dout = torch.randn_like(out)
             base_ms = base_dq = None
-            for name, env, spt, wait in VARIANTS:
+            for name, env, switches in VARIANTS:
                 saved = {key: os.environ.get(key) for key in env}
                 os.environ.update(env)
-                bwd_sm90.DQ_SPT, bwd_sm90.DQ_WAIT_WRITES = spt, wait
+                for key, val in dict(SWITCHES, **switches).items():
+                    setattr(bwd_sm90, key, val)
                 try:
                     grads = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
                     equal = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g, strict=True))
@@ -69,7 +75,8 @@ def main(argv=None) -> int:
                             os.environ.pop(key, None)
                         else:
                             os.environ[key] = val
-                    bwd_sm90.DQ_SPT, bwd_sm90.DQ_WAIT_WRITES = True, True
+                    for key, val in SWITCHES.items():
+                        setattr(bwd_sm90, key, val)
                 ms = sorted(times)[len(times) // 2]
                 dq = grads[0][0].float()
                 if base_ms is None:

@@ -707,7 +707,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
                       FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None, DQ_SPT=bwd_sm90.DQ_SPT,
-                      DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES))
+                      DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES, DQ_SPIN=bwd_sm90.DQ_SPIN,
+                      DQ_RELEASE=bwd_sm90.DQ_RELEASE))
 
     dqa = None
     if fused:

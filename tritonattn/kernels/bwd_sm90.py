@@ -65,6 +65,9 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 # once they are read from shared memory, as FlashAttention-3 does)
 DQ_SPT = True
 DQ_WAIT_WRITES = True
+# (experiment switches: the writer skipping its wait for its turn / its count; not deterministic)
+DQ_SPIN = True
+DQ_RELEASE = True
 
 
 @gluon.jit
@@ -163,7 +166,8 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
 @gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, n_key_blks,
                Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, WAIT_WRITES: gl.constexpr = True):
+               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, WAIT_WRITES: gl.constexpr = True,
+               SPIN: gl.constexpr = True, RELEASE: gl.constexpr = True):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk) it adds
     both consumers' staged dQ tiles to the fp32 buffer with TMA reductions (rows ``dqa_row0 + g *
     dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles back once read.
@@ -183,8 +187,9 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
             if DETERMINISTIC:
                 p_sem = SEM + sem0 + g * sem_head + blk
                 rank = _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL, BLOCK_M) - key_blk
-                while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
-                    pass
+                if SPIN:
+                    while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
+                        pass
                 _fence_proxy_async_global()  # the others' additions before ours
             row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
             for wg in gl.static_range(2):
@@ -197,7 +202,8 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
                 if WAIT_WRITES:
                     _wait_bulk_complete()  # our additions are done before the next program's start
                 gl.thread_barrier()
-                gl.atomic_add(p_sem, 1, sem="release")
+                if RELEASE:
+                    gl.atomic_add(p_sem, 1, sem="release")
             t += 1
     tma.store_wait(pendings=0)
 
@@ -348,6 +354,7 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, DQ_SPT: gl.constexpr = True, DQ_WAIT_WRITES: gl.constexpr = True,
+    DQ_SPIN: gl.constexpr = True, DQ_RELEASE: gl.constexpr = True,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -447,7 +454,7 @@ def _bwd_dkdv_ws_kernel(
                          HEAD_DIM, BLOCK_M, STAGES)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
                           n_key_blks, Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M,
-                          DETERMINISTIC, DQ_WAIT_WRITES)),
+                          DETERMINISTIC, DQ_WAIT_WRITES, DQ_SPIN, DQ_RELEASE)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
