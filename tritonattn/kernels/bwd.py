@@ -706,9 +706,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None, DQ_SPT=bwd_sm90.DQ_SPT,
-                      DQ_WAIT_WRITES=bwd_sm90.DQ_WAIT_WRITES, DQ_SPIN=bwd_sm90.DQ_SPIN,
-                      DQ_RELEASE=bwd_sm90.DQ_RELEASE))
+                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None))
 
     dqa = None
     if fused:

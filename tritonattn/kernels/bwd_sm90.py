@@ -59,15 +59,6 @@ BLOCK_N = 2 * HALF.value  # the launcher's
 TILES = {128: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
-# FUSED_DQ with DETERMINISTIC, experiments (sixteenth session): the key blocks launched last first
-# (DQ_SPT; off: first first, which can deadlock when a head's programs cannot all be resident), and
-# the writer waiting until its additions are written before counting itself (DQ_WAIT_WRITES; off:
-# once they are read from shared memory, as FlashAttention-3 does)
-DQ_SPT = True
-DQ_WAIT_WRITES = True
-# (experiment switches: the writer skipping its wait for its turn / its count; not deterministic)
-DQ_SPIN = True
-DQ_RELEASE = True
 
 
 @gluon.jit
@@ -166,8 +157,7 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
 @gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, n_key_blks,
                Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr, WAIT_WRITES: gl.constexpr = True,
-               SPIN: gl.constexpr = True, RELEASE: gl.constexpr = True):
+               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk) it adds
     both consumers' staged dQ tiles to the fp32 buffer with TMA reductions (rows ``dqa_row0 + g *
     dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles back once read.
@@ -187,9 +177,8 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
             if DETERMINISTIC:
                 p_sem = SEM + sem0 + g * sem_head + blk
                 rank = _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL, BLOCK_M) - key_blk
-                if SPIN:
-                    while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
-                        pass
+                while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
+                    pass
                 _fence_proxy_async_global()  # the others' additions before ours
             row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
             for wg in gl.static_range(2):
@@ -199,11 +188,9 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
             mbarrier.arrive(dq_empty.index(0))
             mbarrier.arrive(dq_empty.index(1))
             if DETERMINISTIC:
-                if WAIT_WRITES:
-                    _wait_bulk_complete()  # our additions are done before the next program's start
+                _wait_bulk_complete()  # our additions are done before the next program's start
                 gl.thread_barrier()
-                if RELEASE:
-                    gl.atomic_add(p_sem, 1, sem="release")
+                gl.atomic_add(p_sem, 1, sem="release")
             t += 1
     tma.store_wait(pendings=0)
 
@@ -353,8 +340,7 @@ def _bwd_dkdv_ws_kernel(
     DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False, DQ_SPT: gl.constexpr = True, DQ_WAIT_WRITES: gl.constexpr = True,
-    DQ_SPIN: gl.constexpr = True, DQ_RELEASE: gl.constexpr = True,
+    DETERMINISTIC: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -385,7 +371,7 @@ def _bwd_dkdv_ws_kernel(
     # the program's key block; FUSED_DQ with DETERMINISTIC: the last first (_dq_writer)
     n_key_blks = gl.cdiv(Sk, 2 * HALF)
     key_blk = pid_n
-    if FUSED_DQ and DETERMINISTIC and DQ_SPT:
+    if FUSED_DQ and DETERMINISTIC:
         key_blk = n_key_blks - 1 - pid_n
     start_n = key_blk * (2 * HALF)
 
@@ -454,7 +440,7 @@ def _bwd_dkdv_ws_kernel(
                          HEAD_DIM, BLOCK_M, STAGES)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
                           n_key_blks, Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M,
-                          DETERMINISTIC, DQ_WAIT_WRITES, DQ_SPIN, DQ_RELEASE)),
+                          DETERMINISTIC)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
