@@ -421,6 +421,8 @@ def _bwd_dkdv_ws_kernel(
     dv_base = DV + off_b * stride_dvb + k_start * stride_dvn + off_hk * stride_dvh
     lse_base = LSE + off_b * stride_lse_b + q_start
     delta_base = DELTA + off_b * stride_lse_b + q_start
+    # (the partitions' argument lists are written out in both calls: passed as tuples, the constexprs
+    # among them, FUSED_DQ above all, reach the partitions as runtime values and both branches compile)
     if FUSED_DQ:
         # the buffer's rows, and the semaphores, of this batch entry's first query head of the group
         dqa_row0 = (off_b * dqa_batch_rows + off_hk * GROUP * dqa_head_rows + q_start).to(gl.int32)
