@@ -347,13 +347,14 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK
 
 
-@pytest.mark.parametrize("env", [None, "0"], ids=["default", "off"])
+@pytest.mark.parametrize("env", [None, "0", "all"], ids=["default", "off", "all"])
 def test_fused_dq_launches(monkeypatch, env):
-    """The backward's fused dQ (configs.FUSED_DQ_MIN_SEQLEN, bwd.fused_dq_enabled; CPU tensors as if
+    """The backward's fused dQ (configs.FUSED_DQ_MIN_SEQLEN, bwd.fused_dq_mode; CPU tensors as if
     on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
     preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
     buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask,
-    or with TRITONATTN_BWD_FUSED_DQ=0, the dQ kernel and the Gluon dK/dV kernel without it."""
+    or with TRITONATTN_BWD_FUSED_DQ=0, the dQ kernel and the Gluon dK/dV kernel without it; with
+    TRITONATTN_BWD_FUSED_DQ=all, the fused kernel with a mask as well."""
     from tritonattn.kernels import launch, plan
 
     if env is not None:
@@ -370,7 +371,7 @@ def test_fused_dq_launches(monkeypatch, env):
         plan.clear()
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0 if causal else None))
-        fused = not causal and env is None
+        fused = env == "all" or (not causal and env is None)
         names = [name for name, *_ in seen]
         assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"] if fused else
                          ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, names)

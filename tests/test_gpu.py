@@ -721,6 +721,53 @@ def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
                                 (dq[qs][None], dk[ks][None], dv[ks][None]), dout[qs][None], True)
 
 
+def test_gluon_fused_dq_heads_first_on_gpu(monkeypatch, poison):
+    """The ordered fused dQ on tensors laid out (B, H, S, D) and seen as (B, S, H, D) (what the SDPA
+    drop-in passes): the producer's 3-d descriptor over the group's heads with a head stride that is
+    not the head dim; causal, GQA, odd lengths, against the reference, reruns bitwise equal."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
+    torch.manual_seed(11)
+    q = torch.randn(2, 8, 1100, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, 1300, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    names = _launched(monkeypatch)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    check_against_reference(q, k, v, out, lse, grads, dout, True)
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(grads, again, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_fused_dq_more_programs_than_sms_on_gpu(causal, monkeypatch, poison):
+    """The ordered fused dQ when a kv head has more key blocks (programs that wait on each other's
+    additions) than the GPU has SMs: no deadlock (a program waits only on programs launched before
+    it), reruns bitwise equal, and the gradients those of the split kernels up to the order of the
+    additions (a reference at this length would need tens of GB)."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    S = (sms + 50) * bwd.bwd_sm90.BLOCK_N + 37
+    torch.manual_seed(S)
+    q, k, v = random_qkv(1, S, S, 2, 1, 128, BF16, DEVICE)
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grads = {}
+    for mode in ("0", "all", "all"):
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", mode)
+        plan.clear()
+        grads.setdefault(mode, []).append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    split, (fused, again) = grads["0"][0], grads["all"]
+    for a, b, c in zip(split, fused, again, strict=True):
+        assert torch.equal(b, c)
+        torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_backward_tma_on_gpu(D, causal, monkeypatch, poison):

@@ -31,8 +31,10 @@ VARIANTS = {
     # by TMA reductions (sm_90), or by one atomic per element
     "tritonattn+atomic-dq": dict(),
     "tritonattn+atomic-dq-pointer": dict(),
-    # the Gluon dK/dV kernel computing dQ too, deterministic (TRITONATTN_BWD_FUSED_DQ=1 while measured)
+    # the Gluon dK/dV kernel computing dQ too, deterministic, at every length and mask
+    # (TRITONATTN_BWD_FUSED_DQ=all while measured), and never (=0: the split dQ kernel)
     "tritonattn+fused-dq": dict(),
+    "tritonattn+split-dq": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -40,7 +42,8 @@ VARIANTS = {
 VARIANT_ENV = {
     "tritonattn+atomic-dq": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "1"},
     "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
-    "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "1"},
+    "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "all"},
+    "tritonattn+split-dq": {"TRITONATTN_BWD_FUSED_DQ": "0"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

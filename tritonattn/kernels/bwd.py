@@ -16,6 +16,7 @@ the group without an expanded K/V or a reduction pass. With dropout, dS = P * (d
 where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.
 """
 
+import os
 
 import torch
 import triton
@@ -617,7 +618,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     Returns (dq, dk, dv, dbias) with dbias float32 in ``bias_shape`` (or None).
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
-    fused_default = fused_dq_enabled()  # the ordered fused dQ where configs.fused_dq_serves
+    fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -630,7 +631,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_default,
+               configs.BATCH_INVARIANT, fused_mode,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -666,7 +667,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
-            if atomic_dq or fused_default and configs.fused_dq_serves(D, var.win_right is not None, longest):
+            if atomic_dq or fused_mode == "all" or (
+                    fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest)):
                 return GLUON_FUSED_ROUTE
             return GLUON_ROUTE
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
@@ -808,12 +810,17 @@ def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int 
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
 
 
-def fused_dq_enabled() -> bool:
-    """TRITONATTN_BWD_FUSED_DQ=1: where the Gluon dK/dV kernel serves every length class of the
-    call, it computes dQ too (FUSED_DQ: 5 matrix products per tile, not the split's 7), its tiles
+def fused_dq_mode() -> str | None:
+    """TRITONATTN_BWD_FUSED_DQ: where the Gluon dK/dV kernel serves every length class of the call
+    it may compute dQ too (FUSED_DQ: 5 matrix products per tile, not the split's 7), its tiles
     added to an fp32 buffer by TMA reductions in a fixed order (DETERMINISTIC: semaphores), so
-    reruns stay bitwise equal."""
-    return configs.env_flag("TRITONATTN_BWD_FUSED_DQ", default=FUSED_DQ)
+    reruns stay bitwise equal. Unset or on ("1"): from the lengths of
+    configs.FUSED_DQ_MIN_SEQLEN ("table"); "all": at every length, masked or not (for
+    measurements); off ("0"): never (None)."""
+    value = os.environ.get("TRITONATTN_BWD_FUSED_DQ")
+    if value is not None and value.strip().lower() == "all":
+        return "all"
+    return "table" if configs.env_flag("TRITONATTN_BWD_FUSED_DQ", default=FUSED_DQ) else None
 
 
 # the default of TRITONATTN_BWD_FUSED_DQ (measured in benchmarks/NOTES.md, sixteenth session)

@@ -65,11 +65,11 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
               Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr):
     _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM)
     _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
-                       BLOCK_M, STAGES)
+                       BLOCK_M, STAGES, LOCKSTEP)
 
 
 @gluon.jit
@@ -88,42 +88,84 @@ def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_ba
 @gluon.jit
 def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """For each query head of the group and each of its query blocks lo_blk .. lo_blk + n_m - 1: the
-    block's lse2 / delta into the slot's rows, then its Q and dO tiles, into ring slot t % STAGES
-    once both consumers released it (t counts the ring's blocks: 0 here; a program that walks
-    several key blocks passes what it loaded before). Returns t. Every load through a head's
-    descriptors has landed when the next head's are built, and when this returns. The descriptors
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       LOCKSTEP: gl.constexpr = False):
+    """For each step (query head g of the group, query block blk) in _step's order over the
+    blocks lo_blk .. lo_blk + n_m - 1: the block's lse2 / delta into the slot's rows, then its Q and
+    dO tiles, into ring slot t % STAGES once both consumers released it (t counts the ring's blocks:
+    0 here; a program that walks several key blocks passes what it loaded before). Returns t.
+
+    Heads one after the other (not LOCKSTEP): a descriptor per head, every load through a head's
+    descriptors landed when the next head's are built and when this returns. LOCKSTEP (heads
+    inside blocks): one 3-d descriptor over the group's heads (any head stride). The descriptors
     span ``q_rows`` rows (Sq, or 1 for a packed sequence with no query, which loads none)."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
-    for g in range(GROUP):
-        h = off_hk * GROUP + g
-        q_desc = tma.make_tensor_descriptor(Q + h * stride_qh, [q_rows, HEAD_DIM], [stride_qm, 1],
-                                            [BLOCK_M, HEAD_DIM], layout)
-        do_desc = tma.make_tensor_descriptor(DO + h * stride_doh, [q_rows, HEAD_DIM], [stride_dom, 1],
-                                             [BLOCK_M, HEAD_DIM], layout)
-        for i in range(n_m):
+    h0 = off_hk * GROUP
+    if LOCKSTEP:
+        layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        q_desc = tma.make_tensor_descriptor(Q + h0 * stride_qh, [GROUP, q_rows, HEAD_DIM], [stride_qh, stride_qm, 1],
+                                            [1, BLOCK_M, HEAD_DIM], layout3)
+        do_desc = tma.make_tensor_descriptor(DO + h0 * stride_doh, [GROUP, q_rows, HEAD_DIM],
+                                             [stride_doh, stride_dom, 1], [1, BLOCK_M, HEAD_DIM], layout3)
+        for j in range(GROUP * n_m):
+            g, blk = _step(j, GROUP, lo_blk, n_m, True)
             slot = t % STAGES
-            row = (lo_blk + i) * BLOCK_M
-            # the block's lse (exp2 domain) and delta: loaded before the wait, stored after it
-            vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
-                                                 warps_per_cta=[1], order=[0])
-            lse2, delta = _load_rows(LSE + h * stride_lse_h, DELTA + h * stride_lse_h,
-                                     row + gl.arange(0, BLOCK_M, layout=vec), Sq)
-            mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-            rows_smem.index(2 * slot).store(lse2)
-            rows_smem.index(2 * slot + 1).store(delta)
-            gl.thread_barrier()  # every lane's stores before the one lane's arrival below
-            mbarrier.expect(ready_bars.index(slot), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bars.index(slot), q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bars.index(slot), do_smem.index(slot))
+            _load_block(q_desc, do_desc, [g, blk * BLOCK_M, 0], q_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]),
+                        do_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]), LSE + (h0 + g) * stride_lse_h,
+                        DELTA + (h0 + g) * stride_lse_h, blk * BLOCK_M, Sq, t, ready_bars, empty_bars, rows_smem,
+                        BLOCK_M, STAGES)
             t += 1
-        # the next head's descriptors reuse this one's scratch: let every load through it land first
-        for s in gl.static_range(STAGES):
-            back = gl.maximum(t - 1 - s, 0)
-            mbarrier.wait(ready_bars.index(back % STAGES), (back // STAGES) & 1, pred=t - 1 - s >= 0)
+    else:
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        for g in range(GROUP):
+            q_desc = tma.make_tensor_descriptor(Q + (h0 + g) * stride_qh, [q_rows, HEAD_DIM], [stride_qm, 1],
+                                                [BLOCK_M, HEAD_DIM], layout)
+            do_desc = tma.make_tensor_descriptor(DO + (h0 + g) * stride_doh, [q_rows, HEAD_DIM], [stride_dom, 1],
+                                                 [BLOCK_M, HEAD_DIM], layout)
+            for i in range(n_m):
+                slot = t % STAGES
+                row = (lo_blk + i) * BLOCK_M
+                _load_block(q_desc, do_desc, [row, 0], q_smem.index(slot), do_smem.index(slot),
+                            LSE + (h0 + g) * stride_lse_h, DELTA + (h0 + g) * stride_lse_h, row, Sq, t, ready_bars,
+                            empty_bars, rows_smem, BLOCK_M, STAGES)
+                t += 1
+            # the next head's descriptors reuse this one's scratch: let every load through it land first
+            for s in gl.static_range(STAGES):
+                back = gl.maximum(t - 1 - s, 0)
+                mbarrier.wait(ready_bars.index(back % STAGES), (back // STAGES) & 1, pred=t - 1 - s >= 0)
     return t
+
+
+@gluon.jit
+def _load_block(q_desc, do_desc, coord, q_dst, do_dst, p_lse, p_delta, row, Sq, t, ready_bars, empty_bars, rows_smem,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Ring block t: the lse2 / delta of query rows [row, row + BLOCK_M) (loaded before the wait
+    for the slot, stored after it), then the Q and dO tiles at ``coord`` into ``q_dst`` / ``do_dst``."""
+    slot = t % STAGES
+    vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
+                                         warps_per_cta=[1], order=[0])
+    lse2, delta = _load_rows(p_lse, p_delta, row + gl.arange(0, BLOCK_M, layout=vec), Sq)
+    mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
+    rows_smem.index(2 * slot).store(lse2)
+    rows_smem.index(2 * slot + 1).store(delta)
+    gl.thread_barrier()  # every lane's stores before the one lane's arrival below
+    mbarrier.expect(ready_bars.index(slot), 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, coord, ready_bars.index(slot), q_dst)
+    tma.async_copy_global_to_shared(do_desc, coord, ready_bars.index(slot), do_dst)
+
+
+@gluon.jit
+def _step(j, GROUP, lo_blk, n_m, LOCKSTEP: gl.constexpr):
+    """Step j's (query head of the group, query block) of a program whose blocks are lo_blk ..
+    lo_blk + n_m - 1. Not LOCKSTEP: the heads one after the other, blocks ascending. LOCKSTEP (the
+    fused dQ): blocks descending from the last, the group's heads inside each, so every program of
+    a kv head (causal or not) is at the same (head, block) at the same step, whatever its first
+    block: the order in which _dq_writer adds their dQ tiles (key blocks ascending) costs them only
+    a skew, and the longest programs can be launched first."""
+    if LOCKSTEP:
+        return j % GROUP, lo_blk + n_m - 1 - j // GROUP
+    else:
+        return j // n_m, lo_blk + j % n_m
 
 
 @gluon.jit
@@ -155,57 +197,43 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
 
 
 @gluon.jit
-def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, n_key_blks,
-               Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk) it adds
-    both consumers' staged dQ tiles to the fp32 buffer with TMA reductions (rows ``dqa_row0 + g *
-    dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles back once read.
+def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, dq_stage,
+               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk, in
+    _step's LOCKSTEP order) it adds both consumers' staged dQ tiles to the fp32 buffer with TMA
+    reductions (rows ``dqa_row0 + g * dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles
+    back once read.
 
-    DETERMINISTIC: the programs of a head add into a query block in a fixed order, from the last
-    key block that sees the block down to the first (the semaphore ``SEM[sem0 + g * sem_head +
-    blk]`` counts the additions done; program ``key_blk`` waits for its rank, adds, waits for its
-    additions to complete and counts itself). The launch runs the key blocks last first, so a
-    program waits only on programs started before it. Without it, the additions land in any order."""
+    DETERMINISTIC: the programs of a kv head add into a query block in a fixed order, key blocks
+    ascending (the semaphore ``SEM[sem0 + g * sem_head + blk]`` counts the additions done; program
+    ``key_blk`` waits until key_blk of them are, adds, waits for its additions to complete and
+    counts itself). Every key block that sees a query block is one of 0 .. some last one, so the
+    count at a program's turn is its key block. The launch runs the key blocks first first, so a
+    program waits only on programs started before it, and in LOCKSTEP order it waits on a program
+    at the same step: the programs of a head are skewed by one addition each, once. Without it,
+    the additions land in any order."""
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, DQ_COLS], layout)
-    t = 0
-    for g in range(GROUP):
-        for i in range(n_m):
-            blk = lo_blk + i
-            if DETERMINISTIC:
-                p_sem = SEM + sem0 + g * sem_head + blk
-                rank = _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL, BLOCK_M) - key_blk
-                while gl.atomic_add(p_sem, 0, sem="acquire") != rank:
-                    pass
-                _fence_proxy_async_global()  # the others' additions before ours
-            row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
-            for wg in gl.static_range(2):
-                mbarrier.wait(dq_full.index(wg), t & 1)
-                _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
-            tma.store_wait(pendings=0)  # the staging tiles are read: back to the consumers
-            mbarrier.arrive(dq_empty.index(0))
-            mbarrier.arrive(dq_empty.index(1))
-            if DETERMINISTIC:
-                _wait_bulk_complete()  # our additions are done before the next program's start
-                gl.thread_barrier()
-                gl.atomic_add(p_sem, 1, sem="release")
-            t += 1
+    for t in range(GROUP * n_m):
+        g, blk = _step(t, GROUP, lo_blk, n_m, True)
+        if DETERMINISTIC:
+            p_sem = SEM + sem0 + g * sem_head + blk
+            while gl.atomic_add(p_sem, 0, sem="acquire") != key_blk:
+                pass
+            _fence_proxy_async_global()  # the others' additions before ours
+        row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
+        for wg in gl.static_range(2):
+            mbarrier.wait(dq_full.index(wg), t & 1)
+            _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
+        tma.store_wait(pendings=0)  # the staging tiles are read: back to the consumers
+        mbarrier.arrive(dq_empty.index(0))
+        mbarrier.arrive(dq_empty.index(1))
+        if DETERMINISTIC:
+            _wait_bulk_complete()  # our additions are done before the next program's start
+            gl.thread_barrier()
+            gl.atomic_add(p_sem, 1, sem="release")
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _last_key_block(blk, n_key_blks, Sq, shift, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The last key block (of BLOCK_N keys) whose program adds into query block ``blk``: every
-    program's query blocks run from its lo_blk (see the kernel) to the last, so the blocks are
-    0 .. this one."""
-    last = n_key_blks - 1
-    if CAUSAL:
-        # the partial last query block (Sq not a multiple of BLOCK_M) is every program's: lo_blk <= Sq // BLOCK_M
-        if (Sq % BLOCK_M == 0) | (blk != Sq // BLOCK_M):
-            last = gl.minimum(last, (blk * BLOCK_M + BLOCK_M - 1 + shift) // (2 * HALF))
-    return last
 
 
 @gluon.jit
@@ -253,54 +281,54 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
-    for _g in range(GROUP):  # each query head of the group
-        for i in range(n_m):
-            slot = t % STAGES
-            offs_m = (lo_blk + i) * BLOCK_M + offs_mb
-            mbarrier.wait(ready_bars.index(slot), (t // STAGES) & 1)
-            q = q_smem.index(slot)
-            do = do_smem.index(slot)
-            st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-            # lse2 and delta from the slot, after the products (short live ranges)
-            lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
-            delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
-            if CAUSAL:  # key j is seen by query i when j <= i + shift
-                if (lo_blk + i) * BLOCK_M + shift < key0 + HALF - 1:
-                    seen = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0)
-                    st = gl.where(seen, st, float("-inf"))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            if FUSED_DQ:  # dS^T of this consumer's keys into its half of buffer t % 2
-                buf = t % 2
-                ds_smem.index(buf * 2 + WG).store(dst.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()  # every lane's part of the tile before the arrival
-                # (a buffer is rewritten two steps later, after both consumers passed the next
-                # step's barrier, i.e. finished this step's dQ products)
-                mbarrier.arrive(ds_bars.index(buf))
-            pt16 = gl.convert_layout(pt.to(dtype), a_layout)
-            dst16 = gl.convert_layout(dst.to(dtype), a_layout)
-            dv = warpgroup_mma(pt16, do, dv, is_async=True)
-            dk = warpgroup_mma(dst16, q, dk, is_async=True)
-            dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
-            mbarrier.arrive(empty_bars.index(slot))
-            if FUSED_DQ:
-                mbarrier.wait(ds_bars.index(buf), (t // 2) & 1)
-                zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
-                                   k_all.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                                   k_all.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                mbarrier.wait(dq_empty, (t & 1) ^ 1)  # the writer has read the last step's tile
-                dq_stage.store(dq * sm_scale)
-                fence_async_shared()
-                gl.thread_barrier()  # the whole tile before the arrival
-                mbarrier.arrive(dq_full)
-            t += 1
+    for j in range(GROUP * n_m):  # each (query head of the group, query block) in _step's order
+        _g, blk = _step(j, GROUP, lo_blk, n_m, FUSED_DQ)
+        slot = t % STAGES
+        offs_m = blk * BLOCK_M + offs_mb
+        mbarrier.wait(ready_bars.index(slot), (t // STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        # lse2 and delta from the slot, after the products (short live ranges)
+        lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
+        delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
+        if CAUSAL:  # key j is seen by query i when j <= i + shift
+            if blk * BLOCK_M + shift < key0 + HALF - 1:
+                seen = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0)
+                st = gl.where(seen, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        if FUSED_DQ:  # dS^T of this consumer's keys into its half of buffer t % 2
+            buf = t % 2
+            ds_smem.index(buf * 2 + WG).store(dst.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # every lane's part of the tile before the arrival
+            # (a buffer is rewritten two steps later, after both consumers passed the next
+            # step's barrier, i.e. finished this step's dQ products)
+            mbarrier.arrive(ds_bars.index(buf))
+        pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+        dst16 = gl.convert_layout(dst.to(dtype), a_layout)
+        dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        dk = warpgroup_mma(dst16, q, dk, is_async=True)
+        dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
+        mbarrier.arrive(empty_bars.index(slot))
+        if FUSED_DQ:
+            mbarrier.wait(ds_bars.index(buf), (t // 2) & 1)
+            zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+            dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                               k_all.index(0).slice(WG * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                               k_all.index(1).slice(WG * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.wait(dq_empty, (t & 1) ^ 1)  # the writer has read the last step's tile
+            dq_stage.store(dq * sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()  # the whole tile before the arrival
+            mbarrier.arrive(dq_full)
+        t += 1
     return dk, dv, t
 
 
@@ -368,11 +396,8 @@ def _bwd_dkdv_ws_kernel(
         if Sq == 0:
             q_start = q_start * 0
 
-    # the program's key block; FUSED_DQ with DETERMINISTIC: the last first (_dq_writer)
-    n_key_blks = gl.cdiv(Sk, 2 * HALF)
+    # the program's key block (FUSED_DQ with DETERMINISTIC: its rank in _dq_writer's order)
     key_blk = pid_n
-    if FUSED_DQ and DETERMINISTIC:
-        key_blk = n_key_blks - 1 - pid_n
     start_n = key_blk * (2 * HALF)
 
     # queries [lo_blk * BLOCK_M, Sq) see some key of the block (causal: query i sees j <= i + shift)
@@ -439,10 +464,9 @@ def _bwd_dkdv_ws_kernel(
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES)),
+                         HEAD_DIM, BLOCK_M, STAGES, True)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
-                          n_key_blks, Sq, shift, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M,
-                          DETERMINISTIC)),
+                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
@@ -455,7 +479,7 @@ def _bwd_dkdv_ws_kernel(
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES)),
+                         HEAD_DIM, BLOCK_M, STAGES, False)),
         ], [4, 1], [240, 24])
 
 
