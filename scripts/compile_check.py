@@ -193,6 +193,8 @@ def main(argv=None) -> int:
                                                                           fused_dq=True)),
                 # the Gluon forward's other head dims (from their lengths; no Gluon dK/dV kernel there)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
+                (f"gluon-atomic-dq-causal-D64-{dt}", 64, dtypes[dt], dict(base),
+                 dict(s=8192, gluon=True, atomic_dq=True)),
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],

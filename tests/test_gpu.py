@@ -658,6 +658,8 @@ FUSED_DQ_CASES = [
     (1, 3001, 2049, 4, 4, 128, True, F16),
     (2, 1000, 1500, 8, 1, 128, False, BF16),
     (1, 1, 4096, 8, 2, 128, True, BF16),
+    (2, 2100, 2300, 8, 2, 64, True, BF16),
+    (1, 2049, 3000, 4, 4, 64, False, F16),
 ]
 
 
@@ -673,7 +675,7 @@ def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, determinist
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ" if deterministic else "TRITONATTN_ATOMIC_DQ", "1")
     # the ordered path wherever the Gluon kernel serves the call (by default only from its own
     # lengths, configs.FUSED_DQ_MIN_SEQLEN: here with a causal mask and shorter calls as well)
-    monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, 128, (0, 0))
+    monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, D, (0, 0))
     torch.manual_seed(Sq)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

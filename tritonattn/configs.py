@@ -318,7 +318,7 @@ SHORT_SEQLEN = 1024
 # without a mask 0.95x at 512 B=1, 1.11-1.47x at B >= 2, 1.16-1.47x from 1024.
 GLUON_MIN_SEQLEN = {
     "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
-    "bwd_dkdv": {128: (512, 2048)},
+    "bwd_dkdv": {128: (512, 2048), 64: (2048, 2048)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
 # its tiles added in a fixed order: bwd.fused_dq_enabled), by head dim: (without, with a mask) the

@@ -70,7 +70,7 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=No
     return dk, dv
 
 
-def check(tiles) -> int:
+def check(tiles, D=128) -> int:
     failures = 0
     cases = [  # B, Sq, Sk, Hq, Hkv, causal
         (2, 1000, 1000, 4, 2, False), (2, 1000, 1000, 4, 2, True), (1, 77, 300, 4, 1, True),
@@ -84,7 +84,7 @@ def check(tiles) -> int:
             if sec and not causal:  # (sections order causal tiles only)
                 continue
             torch.manual_seed(0)
-            q, k, v = (torch.randn(B, s, h, 128, device="cuda", dtype=torch.bfloat16)
+            q, k, v = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
                        for s, h in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
             out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
             do = torch.randn_like(out)
@@ -135,10 +135,10 @@ def _profiled_ms(q, k, v, do, causal, name, profile, ProfilerActivity) -> float:
     return us / 5 / 1e3
 
 
-def llama_inputs(B, S, causal):
+def llama_inputs(B, S, causal, D=128):
     """q, k, v (llama heads, bf16, requiring grad), dO, the kernels' arguments (with the library
     forward's out and lse) and delta."""
-    q, k, v = (torch.randn(B, S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (32, 8, 8))
     do = torch.randn_like(q)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -146,14 +146,14 @@ def llama_inputs(B, S, causal):
     return q, k, v, do, args, delta_of(out.detach(), do)
 
 
-def bench(seqlens, tiles, tokens=16384, sections=()) -> None:
+def bench(seqlens, tiles, tokens=16384, sections=(), D=128) -> None:
     print("| S | causal | kernel | ms | TFLOP/s of its products | x library |")
     print("|---|---|---|---|---|---|")
     for S in seqlens:
         B = max(1, tokens // S)
         for causal in (False, True):
-            q, k, v, do, args, delta = llama_inputs(B, S, causal)
-            product = 2 * B * 32 * S * S * 128 / (2 if causal else 1)
+            q, k, v, do, args, delta = llama_inputs(B, S, causal, D)
+            product = 2 * B * 32 * S * S * D / (2 if causal else 1)
             buffers = (torch.empty_like(k), torch.empty_like(v))
             base = library_ms(q, k, v, do, causal, "_bwd_dkdv_kernel")
             flops = 4 * product
@@ -220,13 +220,14 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")
+    p.add_argument("--head-dim", type=int, default=128, help="the llama heads (Hq=32, Hkv=8) at this head dim")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed backwards through the varlen path")
     args = p.parse_args()
     tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:")
              else tuple(int(x) for x in t.split(",")) for t in args.tiles]
-    failures = 0 if args.no_check else check(tiles)
-    bench(args.seqlens, tiles, args.tokens, args.sections)
+    failures = 0 if args.no_check else check(tiles, args.head_dim)
+    bench(args.seqlens, tiles, args.tokens, args.sections, args.head_dim)
     if args.varlen:
         bench_varlen(args.seqlens)
     return 1 if failures else 0

@@ -56,7 +56,7 @@ BLOCK_N = 2 * HALF.value  # the launcher's
 # by head dim: (query rows per step, Q / dO slots), H200, llama shape (NOTES, eleventh session):
 # D=128 with 64 rows and 2 slots 1.06-1.24x the Triton kernel at S=512-16384 (3 or 4 slots: within
 # a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x
-TILES = {128: (64, 2)}
+TILES = {128: (64, 2), 64: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
 
