@@ -3,6 +3,8 @@ dK/dV kernel (kernels.bwd._gluon_ok), decided on CPU tensors as if they were on 
 interpreter cannot run Gluon: the kernels' sm_90 compile is checked by test_compile_sm90.py, their
 results by the GPU tier (test_gpu.py::test_gluon_*)."""
 
+import math
+
 import pytest
 import torch
 
@@ -56,6 +58,9 @@ def test_serves_plain_causal_and_right_edges(gluon):
     for D, (full, masked) in lengths.items():
         assert gluon(*qkv(Sq=full, Sk=full, D=D)), D
         assert not gluon(*qkv(Sq=full - 1, Sk=full - 1, D=D)), D
+        if masked == math.inf:  # never with a mask (the dK / dV kernel at D=64): not even at 8192
+            assert not gluon(*qkv(Sq=8192, Sk=8192, D=D), Variants(softmax_scale=SCALE, win_right=0)), D
+            continue
         assert gluon(*qkv(Sq=masked, Sk=masked, D=D), Variants(softmax_scale=SCALE, win_right=0)), D
         assert not gluon(*qkv(Sq=masked - 1, Sk=masked - 1, D=D), Variants(softmax_scale=SCALE, win_right=0)), D
 
@@ -352,9 +357,10 @@ def test_fused_dq_launches(monkeypatch, env):
     """The backward's fused dQ (configs.FUSED_DQ_MIN_SEQLEN, bwd.fused_dq_mode; CPU tensors as if
     on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
     preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
-    buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask,
-    or with TRITONATTN_BWD_FUSED_DQ=0, the dQ kernel and the Gluon dK/dV kernel without it; with
-    TRITONATTN_BWD_FUSED_DQ=all, the fused kernel with a mask as well."""
+    buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask
+    likewise from its own (longer) length, and the dQ kernel and the Gluon dK/dV kernel without it
+    under that length or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the
+    fused kernel at both lengths, masked or not."""
     from tritonattn.kernels import launch, plan
 
     if env is not None:
@@ -364,17 +370,19 @@ def test_fused_dq_launches(monkeypatch, env):
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
-    S = configs.FUSED_DQ_MIN_SEQLEN[128][0]
-    q, k, v = qkv(Sq=S, Sk=S)
-    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
-    for causal in (False, True):
+    full, masked = configs.FUSED_DQ_MIN_SEQLEN[128]
+    assert full < masked, "configs.FUSED_DQ_MIN_SEQLEN moved: change the cases below"
+    # (causal, S, fused by default): without a mask from its length; with one not there, from its own
+    for causal, S, default in ((False, full, True), (True, full, False), (True, masked, True)):
+        q, k, v = qkv(Sq=S, Sk=S)
+        do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
         plan.clear()
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0 if causal else None))
-        fused = env == "all" or (not causal and env is None)
+        fused = env == "all" or (default and env is None)
         names = [name for name, *_ in seen]
         assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"] if fused else
-                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, names)
+                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, names)
         _, grid, args, kwargs = seen[-1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
         if fused:

@@ -304,14 +304,16 @@ def test_gluon_forward_sdpa_top_left_causal(Sq, Sk, poison, monkeypatch):
 
 def test_gluon_forward_not_taken(monkeypatch):
     """Calls the Gluon kernels do not serve take the Triton kernels, forward and dK/dV: D=64 causal
-    at 2048 (under its length), a window's left edge, ALiBi, forced tiles, and
+    under its lengths, a window's left edge, ALiBi, forced tiles, and
     TRITONATTN_BATCH_INVARIANT; a varlen call with TRITONATTN_FWD_GLUON_VARLEN=0 and
     TRITONATTN_BWD_GLUON_VARLEN=0 (and by default takes both Gluon kernels)."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("off sm_90 no call takes the Gluon kernels (tests/test_gluon.py)")
     torch.manual_seed(0)
     q, k, v = random_qkv(1, 2048, 2048, 4, 2, 128, BF16, DEVICE)
-    q64, k64, v64 = random_qkv(1, 2048, 2048, 4, 2, 64, BF16, DEVICE)
+    # D=64 causal one token under the first length of either Gluon kernel (configs.GLUON_MIN_SEQLEN)
+    s64 = min(configs.GLUON_MIN_SEQLEN["fwd"][64][1], configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(64, (0, 4096))[1]) - 1
+    q64, k64, v64 = random_qkv(1, s64, s64, 4, 2, 64, BF16, DEVICE)
     cu = torch.tensor([0, 2048], dtype=torch.int32, device=DEVICE)
     calls = [
         lambda: flash_attn_func(q64, k64, v64, causal=True),
@@ -658,7 +660,7 @@ FUSED_DQ_CASES = [
     (1, 3001, 2049, 4, 4, 128, True, F16),
     (2, 1000, 1500, 8, 1, 128, False, BF16),
     (1, 1, 4096, 8, 2, 128, True, BF16),
-    (2, 2100, 2300, 8, 2, 64, True, BF16),
+    (2, 1100, 1300, 8, 2, 64, False, BF16),
     (1, 2049, 3000, 4, 4, 64, False, F16),
 ]
 
@@ -731,8 +733,10 @@ def test_gluon_fused_dq_heads_first_on_gpu(monkeypatch, poison):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
     torch.manual_seed(11)
-    q = torch.randn(2, 8, 1100, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
-    k, v = (torch.randn(2, 2, 1300, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
+    # (the keys from the Gluon kernel's causal length on: configs.GLUON_MIN_SEQLEN)
+    Sk = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][1] + 251
+    q = torch.randn(2, 8, Sk - 200, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 2, Sk, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
             for _ in range(2))
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     dout = torch.randn_like(out)

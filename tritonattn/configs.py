@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -316,17 +317,22 @@ SHORT_SEQLEN = 1024
 # 2048, 1.18x / 1.10x at 4096. D=128 remeasured the same way (B=1, 2, 4, 16-32) kept its lengths:
 # causal 0.89-0.97x at 512, 1.04-1.17x at 1024 (S=1536 B=1, 192 pairs on 132 programs: 0.97x);
 # without a mask 0.95x at 512 B=1, 1.11-1.47x at B >= 2, 1.16-1.47x from 1024.
+# The dK / dV kernel at D=64 (its tile in bwd_sm90.TILES; eighteenth session, the kernel alone,
+# Hq=32, Hkv=8, 16k tokens): without a mask 1.15x at 1024, 1.17x at 2048, 1.16x at 4096, 1.19x at
+# 16384; with one 0.97x, 0.96x, 0.95x, 1.04x (its best tile), so never (math.inf).
 GLUON_MIN_SEQLEN = {
     "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
-    "bwd_dkdv": {128: (512, 2048), 64: (2048, 2048)},
+    "bwd_dkdv": {128: (512, 2048), 64: (1024, math.inf)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
-# its tiles added in a fixed order: bwd.fused_dq_enabled), by head dim: (without, with a mask) the
-# first length, None for never. Sixteenth session, H200, llama shape, the whole backward against the
-# split kernels: without a mask 0.95x the time at 2048 (0.94-1.06x over two runs), 0.93x at 4096,
-# 0.87x at 8192, 0.88x at 16384; with one 1.09-1.17x (slower: the semaphores' order serialises the
-# programs of a head, which the causal mask staggers; NOTES).
-FUSED_DQ_MIN_SEQLEN = {128: (4096, None)}
+# its tiles added in a fixed order: bwd.fused_dq_mode), by head dim: (without, with a mask) the
+# first length, None for never. H200, llama shape, the whole backward's time against the split
+# kernels. Seventeenth session (programs in lockstep: query blocks descending with the group's
+# heads inside, key blocks launched first first; measured 2026-12-02): without a mask 0.94x at
+# 2048, 1.00x at 4096 (0.91x the split), 0.97x at 8192 (0.75x), 0.93x at 16384 (0.87x); with
+# one 1.02x at 2048, 0.90x at 4096, 0.87x at 8192, 0.89x at 16384. (Sixteenth session, heads
+# first: the masked order was 1.09-1.17x, the semaphores serialising a head's staggered programs.)
+FUSED_DQ_MIN_SEQLEN = {128: (2048, 4096)}
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
@@ -371,7 +377,7 @@ def fused_dq_serves(head_dim: int, masked: bool, longest: int) -> bool:
 def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
-    gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair}
+    gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair if n != math.inf}
     fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None}
     return {SHORT_SEQLEN + 1, *gluon, *fused}
 

@@ -55,8 +55,12 @@ HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys 
 BLOCK_N = 2 * HALF.value  # the launcher's
 # by head dim: (query rows per step, Q / dO slots), H200, llama shape (NOTES, eleventh session):
 # D=128 with 64 rows and 2 slots 1.06-1.24x the Triton kernel at S=512-16384 (3 or 4 slots: within
-# a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x
-TILES = {128: (64, 2), 64: (64, 2)}
+# a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x. D=64 (eighteenth
+# session, 2026-12-02, the kernel alone, Hq=32, Hkv=8, 16k tokens): without a mask 128 rows and 2
+# slots 1.15-1.19x the Triton kernel at S=1024-16384 (64 rows: 1.02-1.08x, with 3 slots 1.06-1.11x);
+# with a causal mask 0.93-1.06x at best (64 rows, 3 slots; 128 rows 0.48-0.55x), so the Triton
+# kernel keeps causal calls at D=64 (configs.GLUON_MIN_SEQLEN)
+TILES = {128: (64, 2), 64: (128, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
 
