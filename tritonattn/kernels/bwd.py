@@ -823,7 +823,7 @@ def fused_dq_mode() -> str | None:
     return "table" if configs.env_flag("TRITONATTN_BWD_FUSED_DQ", default=FUSED_DQ) else None
 
 
-# the default of TRITONATTN_BWD_FUSED_DQ (measured in benchmarks/NOTES.md, sixteenth session)
+# the default of TRITONATTN_BWD_FUSED_DQ (measured in benchmarks/NOTES.md, sixteenth to eighteenth sessions)
 FUSED_DQ = True
 GLUON_FUSED_ROUTE = "gluon-fused"  # a length class whose Gluon dK/dV kernel computes dQ too
 
