@@ -358,8 +358,8 @@ def test_fused_dq_launches(monkeypatch, env):
     on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
     preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
     buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask
-    likewise from its own (longer) length, and the dQ kernel and the Gluon dK/dV kernel without it
-    under that length or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the
+    likewise from its own (longer) length, longer still for MHA, and the dQ kernel and the Gluon
+    dK/dV kernel without it under that length or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the
     fused kernel at both lengths, masked or not."""
     from tritonattn.kernels import launch, plan
 
@@ -371,10 +371,13 @@ def test_fused_dq_launches(monkeypatch, env):
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     full, masked = configs.FUSED_DQ_MIN_SEQLEN[128]
-    assert full < masked, "configs.FUSED_DQ_MIN_SEQLEN moved: change the cases below"
-    # (causal, S, fused by default): without a mask from its length; with one not there, from its own
-    for causal, S, default in ((False, full, True), (True, full, False), (True, masked, True)):
-        q, k, v = qkv(Sq=S, Sk=S)
+    assert full < masked and configs.FUSED_DQ_MASKED_GROUP_ROWS == 2 * masked, \
+        "configs.FUSED_DQ_MIN_SEQLEN / FUSED_DQ_MASKED_GROUP_ROWS moved: change the cases below"
+    # (causal, S, kv heads of the 8 query heads, fused by default): without a mask from its length;
+    # with one not there, from its own; MHA with one from twice that (FUSED_DQ_MASKED_GROUP_ROWS)
+    for causal, S, Hkv, default in ((False, full, 2, True), (True, full, 2, False), (True, masked, 2, True),
+                                    (False, full, 8, True), (True, masked, 8, False), (True, 2 * masked, 8, True)):
+        q, k, v = qkv(Sq=S, Sk=S, Hkv=Hkv)
         do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
         plan.clear()
         del seen[:]
@@ -382,7 +385,7 @@ def test_fused_dq_launches(monkeypatch, env):
         fused = env == "all" or (default and env is None)
         names = [name for name, *_ in seen]
         assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"] if fused else
-                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, names)
+                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, Hkv, names)
         _, grid, args, kwargs = seen[-1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
         if fused:

@@ -678,6 +678,7 @@ def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, determinist
     # the ordered path wherever the Gluon kernel serves the call (by default only from its own
     # lengths, configs.FUSED_DQ_MIN_SEQLEN: here with a causal mask and shorter calls as well)
     monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, D, (0, 0))
+    monkeypatch.setattr(configs, "FUSED_DQ_MASKED_GROUP_ROWS", 1)  # (MHA cases too)
     torch.manual_seed(Sq)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

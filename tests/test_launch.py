@@ -4,6 +4,7 @@ so a call on tensors of another device (a model spread over GPUs in one process,
 CUDA device calls replaced (no GPU needed); test_gpu.py runs it for real where two GPUs are visible."""
 
 import contextlib
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -116,13 +117,20 @@ def test_length_classes():
 
 
 def test_length_breaks():
-    """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN and at each Gluon
-    kernel's first lengths."""
+    """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN, at each Gluon
+    kernel's first lengths (not "never", math.inf), and at the fused dQ's, the masked one for every
+    group (FUSED_DQ_MASKED_GROUP_ROWS: 8192 for MHA)."""
     breaks = configs.length_breaks()
-    assert configs.SHORT_SEQLEN + 1 in breaks
+    assert configs.SHORT_SEQLEN + 1 in breaks and math.inf not in breaks
     for lengths in configs.GLUON_MIN_SEQLEN.values():
         for pair in lengths.values():
-            assert set(pair) <= breaks
+            assert {n for n in pair if n != math.inf} <= breaks
+    for full, masked in configs.FUSED_DQ_MIN_SEQLEN.values():
+        assert full in breaks and masked in breaks
+        for group in range(1, 17):
+            first = next(n for n in range(1, 2**16) if configs.fused_dq_serves(128, True, n, group))
+            assert first in breaks, group
+    assert next(n for n in range(1, 2**16) if configs.fused_dq_serves(128, True, n, 1)) == 8192
 
 
 def test_length_classes_off(monkeypatch):

@@ -332,7 +332,13 @@ GLUON_MIN_SEQLEN = {
 # 2048, 1.00x at 4096 (0.91x the split), 0.97x at 8192 (0.75x), 0.93x at 16384 (0.87x); with
 # one 1.02x at 2048, 0.90x at 4096, 0.87x at 8192, 0.89x at 16384. (Sixteenth session, heads
 # first: the masked order was 1.09-1.17x, the semaphores serialising a head's staggered programs.)
+# The masked (causal) first length also needs GROUP x longest >= FUSED_DQ_MASKED_GROUP_ROWS, the
+# length rounded up to a power of two: each program's steps (GROUP heads x query blocks) have to
+# outlast the lockstep's skew. MHA (GROUP 1; fa grid, 16 heads, D=128, eighteenth session): fused
+# 1.10x the split's time at 4096 causal, 0.97x at 8192, 0.92x at 16384; without a mask 0.99x at
+# 2048, 0.95x at 4096, 0.89x at 8192, 0.86x at 16384 (so no such rule there).
 FUSED_DQ_MIN_SEQLEN = {128: (2048, 4096)}
+FUSED_DQ_MASKED_GROUP_ROWS = 8192
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
@@ -367,11 +373,20 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
-def fused_dq_serves(head_dim: int, masked: bool, longest: int) -> bool:
+def _fused_dq_masked_first(first: int, group: int) -> int:
+    """The masked call's first fused length for ``group`` query heads per kv head (the table's
+    ``first``, raised by :data:`FUSED_DQ_MASKED_GROUP_ROWS`; powers of two, see length_breaks)."""
+    return max(first, 1 << (-(-FUSED_DQ_MASKED_GROUP_ROWS // group) - 1).bit_length())
+
+
+def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bool:
     """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
-    or not, whose longest side is ``longest``) computes dQ too: :data:`FUSED_DQ_MIN_SEQLEN`."""
+    or not, whose longest side is ``longest``, with ``group`` query heads per kv head) computes dQ
+    too: :data:`FUSED_DQ_MIN_SEQLEN` and, masked, :data:`FUSED_DQ_MASKED_GROUP_ROWS`."""
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
-    return first is not None and longest >= first
+    if first is None:
+        return False
+    return longest >= (_fused_dq_masked_first(first, group) if masked else first)
 
 
 def length_breaks() -> set[int]:
@@ -379,6 +394,9 @@ def length_breaks() -> set[int]:
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair if n != math.inf}
     fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None}
+    # (the masked first length for every group: powers of two from the table's up)
+    fused |= {_fused_dq_masked_first(pair[1], g) for pair in FUSED_DQ_MIN_SEQLEN.values() if pair[1] is not None
+              for g in (1 << i for i in range(FUSED_DQ_MASKED_GROUP_ROWS.bit_length()))}
     return {SHORT_SEQLEN + 1, *gluon, *fused}
 
 

@@ -668,7 +668,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
             if atomic_dq or fused_mode == "all" or (
-                    fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest)):
+                    fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv)):
                 return GLUON_FUSED_ROUTE
             return GLUON_ROUTE
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
