@@ -680,18 +680,22 @@ def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, determinist
     monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, D, (0, 0))
     monkeypatch.setattr(configs, "FUSED_DQ_MASKED_GROUP_ROWS", 1)  # (MHA cases too)
     torch.manual_seed(Sq)
-    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
+    _check_fused_dq(*random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE), causal, monkeypatch, 3 if deterministic else 0)
+
+
+def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
+    """The backward of ``q, k, v`` takes the fused Gluon launch alone (after the delta preprocess),
+    matches the reference, and ``reruns`` more backwards give it bitwise."""
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     names = _launched(monkeypatch)
     grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
-    if deterministic:
-        for _ in range(3):
-            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-            for a, b in zip(grads, again, strict=True):
-                assert torch.equal(a, b)
+    for _ in range(reruns):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(grads, again, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
@@ -739,15 +743,7 @@ def test_gluon_fused_dq_heads_first_on_gpu(monkeypatch, poison):
     q = torch.randn(2, 8, Sk - 200, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, Sk, 128, device=DEVICE, dtype=BF16).transpose(1, 2).requires_grad_()
             for _ in range(2))
-    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    dout = torch.randn_like(out)
-    names = _launched(monkeypatch)
-    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
-    check_against_reference(q, k, v, out, lse, grads, dout, True)
-    again = torch.autograd.grad(out, (q, k, v), dout)
-    for a, b in zip(grads, again, strict=True):
-        assert torch.equal(a, b)
+    _check_fused_dq(q, k, v, True, monkeypatch, 1)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
