@@ -102,8 +102,11 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, **kw):
         with contextlib.ExitStack() as stack:
+            if split_diag:  # the Gluon dK/dV kernel's causal steps in two loops, at every length
+                stack.enter_context(mock.patch.object(bwd, "SPLIT_DIAG", True))
+                stack.enter_context(mock.patch.dict(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], {D: (0, 0)}))
             # the Gluon sm_90 forward and dK/dV kernels only where a case asks for them (the others
             # compile the Triton kernels)
             stack.enter_context(mock.patch.object(fwd, "_on_sm90", lambda q: gluon))
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
         out, lse = attention_forward(q, k, v, var)
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
-        os.environ["TRITONATTN_BWD_FUSED_DQ"] = "1" if fused_dq else "0"
+        os.environ["TRITONATTN_BWD_FUSED_DQ"] = {False: "0", True: "1"}.get(fused_dq, fused_dq)
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
@@ -197,6 +200,12 @@ def main(argv=None) -> int:
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 (f"gluon-atomic-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=8192, gluon=True, atomic_dq=True)),
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
+                # the Gluon dK/dV kernel's causal steps in two loops (bwd.SPLIT_DIAG, off by default):
+                # D=64 with 128-row tiles, and D=128 with the ordered fused dQ
+                (f"gluon-split-diag-causal-D64-{dt}", 64, dtypes[dt], dict(base),
+                 dict(s=8192, gluon=True, split_diag=True)),
+                (f"gluon-split-diag-fused-causal-{dt}", 128, dtypes[dt], dict(base),
+                 dict(s=4096, gluon=True, split_diag=True, fused_dq="all")),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits
                 (f"bias-dropout-long-{dt}", 128, dtypes[dt],
                  dict(base, dropout_p=0.1, seed=seed, bias=torch.randn(2048).expand(2, 4, 2048, 2048)), dict(s=2048)),
@@ -266,7 +275,8 @@ def main(argv=None) -> int:
                 print(e, repr(e.__cause__), repr(e.__context__))
             continue
         # the Gluon dK / dV kernel where the table serves the case (never at D=64 with a mask)
-        first = configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf, math.inf))["win_right" in var_kw]
+        first = 0 if run_kw.get("split_diag") else \
+            configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf, math.inf))["win_right" in var_kw]
         wanted = {"_fwd_ws_kernel"} | ({"_bwd_dkdv_ws_kernel"} if run_kw.get("s", 0) >= first else set())
         missing = wanted - {r["name"] for r in RESULTS[start:]}
         if run_kw.get("gluon") and missing:

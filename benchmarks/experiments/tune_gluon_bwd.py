@@ -62,11 +62,12 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=No
             BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, PAIRS=kind == "p", num_warps=bwd_sm90.NUM_WARPS,
             maxnreg=bwd_sm90.MAXNREG)
         return dk, dv
-    block_m, stages = tile
+    split_diag = tile[0] == "s"
+    block_m, stages = tile[1:] if split_diag else tile
     grid = (triton.cdiv(k.shape[1], bwd_sm90.BLOCK_N), k.shape[0] * k.shape[2])
     bwd_sm90._bwd_dkdv_ws_kernel[grid](
         *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m,
-        STAGES=stages, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG)
+        STAGES=stages, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, SPLIT_DIAG=split_diag)
     return dk, dv
 
 
@@ -215,8 +216,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
     p.add_argument("--tiles", nargs="+", default=["64,2", "p:64,2,1", "p:64,2,2"],
-                   help="BLOCK_M,STAGES (the library's kernel) or p:BLOCK_M,STAGES,KV_BUFS (persistent; h: its "
-                        "heaviest-first causal order)")
+                   help="BLOCK_M,STAGES (the library's kernel; s:BLOCK_M,STAGES: with SPLIT_DIAG) or "
+                        "p:BLOCK_M,STAGES,KV_BUFS (persistent; h: its heaviest-first causal order)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")
@@ -224,7 +225,7 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed backwards through the varlen path")
     args = p.parse_args()
-    tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:")
+    tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:", "s:")
              else tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dim)
     bench(args.seqlens, tiles, args.tokens, args.sections, args.head_dim)

@@ -631,7 +631,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -708,7 +708,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None))
+                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None, SPLIT_DIAG=SPLIT_DIAG))
 
     dqa = None
     if fused:
@@ -796,6 +796,12 @@ GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
 # 1.09-1.32x with it on the H200 (thirteenth session, 16k tokens from S=2048, equal and ragged
 # lengths). On wherever the Gluon dK/dV kernel is; TRITONATTN_BWD_GLUON_VARLEN=0 turns it off.
 GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
+# The Gluon dK/dV kernel's causal steps in two loops, the blocks that cross the diagonal (masked)
+# and the others (no mask, no test), instead of one loop testing each block (bwd_sm90._accumulate
+# SPLIT_DIAG). An experiment of the eighteenth session, compiled for sm_90 on CPU only: spills of
+# the causal kernel 312 -> 0 bytes at D=64 with 128 rows, 32 -> 0 at D=128 (benchmarks/NOTES.md);
+# not yet run on a GPU, so off until its GPU tests and timings (TRITONATTN_BWD_SPLIT_DIAG=1).
+SPLIT_DIAG = configs.env_flag("TRITONATTN_BWD_SPLIT_DIAG", default=False)
 
 
 def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int | None = None) -> bool:

@@ -185,18 +185,18 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
               sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem, ds_bars,
               dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
+              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SPLIT_DIAG: gl.constexpr):
     key0 = start_n + WG * HALF
     mbarrier.wait(kv_bar, 0)
     if FUSED_DQ:  # this consumer's half of the dQ columns, handed to the writer partition
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
                                 STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_full.index(WG),
-                                dq_empty.index(WG), sm_scale)
+                                dq_empty.index(WG), sm_scale, SPLIT_DIAG)
     else:
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                                STAGES)
+                                STAGES, SPLIT_DIAG=SPLIT_DIAG)
     _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale)
 
 
@@ -258,10 +258,17 @@ def _wait_bulk_complete():
 def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m, shift,
                 qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                 STAGES: gl.constexpr, FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None,
-                ds_smem=None, ds_bars=None, dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0):
+                ds_smem=None, ds_bars=None, dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0,
+                SPLIT_DIAG: gl.constexpr = False):
     """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
     loads, each slot released after its products. Returns dk, dv and the ring's next block.
+
+    CAUSAL: a block whose rows cross the keys' diagonal gets the mask. SPLIT_DIAG (the eighteenth
+    session's experiment, off by default): those blocks in loops of their own (the first blocks of
+    each head, or the last steps in LOCKSTEP order), the others in loops without the mask, instead
+    of one loop that tests each block (whose branch spilled 312 bytes at D=64 with 128 rows, 0
+    with the split; see _steps).
 
     FUSED_DQ (consumer ``WG`` of the two): also this program's share of dQ, FlashAttention-3's way.
     Each consumer writes its dS^T tile to ``ds_smem`` (slot 2 (step parity) + WG) and arrives on
@@ -269,6 +276,52 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
     [WG * D/2, (WG + 1) * D/2) of the block over all 128 keys (dS ``k_all``, scaled by ``sm_scale``)
     and stages them in ``dq_stage`` (fp32) for the writer partition (_dq_writer): it waits on
     ``dq_empty`` (the writer read the last tile) and arrives on ``dq_full``."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
+    # (the arguments written out in each call: WG passed in a tuple would reach _steps as a runtime
+    # value, and it slices K's columns)
+    if CAUSAL and SPLIT_DIAG:
+        # the blocks lo_blk .. lo_blk + n_diag - 1 cross the diagonal: some row i of theirs misses a
+        # key j of this half (j > i + shift), i.e. blk * BLOCK_M + shift < key0 + HALF - 1
+        edge = gl.maximum(key0 + HALF - 1 - shift, 0)
+        n_diag = gl.minimum(gl.maximum((edge + BLOCK_M - 1) // BLOCK_M - lo_blk, 0), n_m)
+        if FUSED_DQ:  # LOCKSTEP order: blocks descending, so the crossing ones are the last steps
+            split = GROUP * (n_m - n_diag)
+            dk, dv, t = _steps(0, split, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
+                               GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M, STAGES, True, WG, k_all,
+                               ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+            dk, dv, t = _steps(split, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
+                               rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES, True, WG,
+                               k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+        else:  # heads one after the other, blocks ascending: the crossing ones first in each head
+            for g in range(GROUP):
+                j0 = g * n_m
+                dk, dv, t = _steps(j0, j0 + n_diag, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
+                                   rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES)
+                dk, dv, t = _steps(j0 + n_diag, j0 + n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars,
+                                   empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M,
+                                   STAGES)
+    elif FUSED_DQ:
+        dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
+                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES, True,
+                           WG, k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+    else:
+        dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
+                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES)
+    return dk, dv, t
+
+
+@gluon.jit
+def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m,
+           shift, qk_scale, MASK: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+           FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None, ds_smem=None, ds_bars=None,
+           dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0):
+    """_accumulate's steps j0 .. j1 - 1 (each a (query head of the group, query block) in _step's
+    order, ring block t on). MASK: 0 none, 1 the causal mask on every step, 2 on the steps whose
+    block crosses the keys' diagonal (a test per step)."""
     dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -278,14 +331,11 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
     offs_n = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
     offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
-    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
     if FUSED_DQ:
         DQ_COLS: gl.constexpr = HEAD_DIM // 2
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
-    t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
-    for j in range(GROUP * n_m):  # each (query head of the group, query block) in _step's order
+    for j in range(j0, j1):
         _g, blk = _step(j, GROUP, lo_blk, n_m, FUSED_DQ)
         slot = t % STAGES
         offs_m = blk * BLOCK_M + offs_mb
@@ -298,10 +348,12 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
         # lse2 and delta from the slot, after the products (short live ranges)
         lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
         delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
-        if CAUSAL:  # key j is seen by query i when j <= i + shift
+        # key j is seen by query i when j <= i + shift
+        if MASK == 1:
+            st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
+        elif MASK == 2:
             if blk * BLOCK_M + shift < key0 + HALF - 1:
-                seen = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0)
-                st = gl.where(seen, st, float("-inf"))
+                st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         if FUSED_DQ:  # dS^T of this consumer's keys into its half of buffer t % 2
@@ -372,7 +424,7 @@ def _bwd_dkdv_ws_kernel(
     DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -461,10 +513,10 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
@@ -476,10 +528,10 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
