@@ -21,6 +21,9 @@
 #                                        prints its summary; tracebacks also in test-failures.log)
 #   PYTEST_ARGS="tests/a.py;tests/b.py"  two test groups: one per GPU on a two-GPU machine
 #   PYTEST_WORKERS=12                    xdist workers per group (default 3/4 of the cores / groups)
+#   TRITONATTN_COMMIT=abc1234            the commit recorded with the results: give it literally, from this
+#                                        machine's git (`$(git rev-parse ...)` run on the device read an
+#                                        older commit there on 2026-12-02)
 # With two or more GPUs the tests run on the last one, in the background, while the main job,
 # extras, bench and tune run on GPU 0, so one call does both.
 set -uo pipefail
