@@ -14,7 +14,9 @@ the consumers split the work by gradient, each with one 128-register accumulator
 - the producer warp: K and V once, then the Q / dO / lse / delta ring (the library's
   _load_query_blocks, heads one after the other).
 
-Four products per tile, two per consumer (the Triton split launches run five). Shared memory, bf16:
+Four products per tile, two per consumer (the Triton split launches run five). EXCHANGE=False (tile
+``r:`` in the tuner): consumer K computes P^T itself (a third product for it, no handoff, no
+barriers between the consumers). Shared memory, bf16:
 K and V 32 KB each, Q and dO 2 slots x 32 KB each, P^T 2 x 16 KB: 224 KB of the 227 KB. Dense
 calls only (no varlen, no fused dQ); causal and a window's right edge as the library's kernel.
 Takes the library kernel's arguments (bwd_sm90.launch_args) on a grid of (cdiv(Sk, 64), B * Hkv).
@@ -65,8 +67,8 @@ def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_do
 @gluon.jit
 def _consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem, do_smem, kv_bar,
                 ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """P^T of each step (to consumer K through ``p_smem``) and dV of the program's keys."""
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EXCHANGE: gl.constexpr):
+    """P^T of each step (to consumer K through ``p_smem`` with EXCHANGE) and dV of the program's keys."""
     dtype: gl.constexpr = k_smem.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -92,12 +94,12 @@ def _consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale
                 offs_m = blk * BLOCK_M + offs_mb
                 st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        # P^T for consumer K, into buffer j % 2 once it has read what was there two steps ago
-        buf = j % 2
-        mbarrier.wait(p_empty.index(buf), ((j // 2) & 1) ^ 1)
-        p_smem.index(buf).store(pt)
-        gl.thread_barrier()  # every lane's part of the tile before the arrival
-        mbarrier.arrive(p_full.index(buf))
+        if EXCHANGE:  # P^T for consumer K, into buffer j % 2 once it has read what was there two steps ago
+            buf = j % 2
+            mbarrier.wait(p_empty.index(buf), ((j // 2) & 1) ^ 1)
+            p_smem.index(buf).store(pt)
+            gl.thread_barrier()  # every lane's part of the tile before the arrival
+            mbarrier.arrive(p_full.index(buf))
         pt16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
         dv, pt16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt16))
@@ -106,32 +108,46 @@ def _consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale
 
 
 @gluon.jit
-def _consumer_k(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem, do_smem, kv_bar,
-                ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, HEAD_DIM: gl.constexpr,
-                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """dK of the program's keys, from consumer P's P^T of each step."""
+def _consumer_k(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, sm_scale, k_smem, v_smem, q_smem,
+                do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, EXCHANGE: gl.constexpr):
+    """dK of the program's keys, from consumer P's P^T of each step (EXCHANGE), or from P^T computed
+    here again (a third product per step, no handoff)."""
     dtype: gl.constexpr = v_smem.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    offs_n = start_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for j in range(GROUP * n_m):
+        _g, blk = _step(j, GROUP, lo_blk, n_m, False)
         slot = j % STAGES
         mbarrier.wait(ready_bars.index(slot), (j // STAGES) & 1)
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         dpt = warpgroup_mma(v_smem, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        if EXCHANGE:
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+            buf = j % 2
+            mbarrier.wait(p_full.index(buf), (j // 2) & 1)
+            pt = p_smem.index(buf).load(st_layout)
+            gl.thread_barrier()  # every lane has read the tile before the buffer goes back
+            mbarrier.arrive(p_empty.index(buf))
+        else:
+            st = warpgroup_mma(k_smem, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            dpt, st = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, st))
+            lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
+            if CAUSAL:
+                if blk * BLOCK_M + shift < start_n + HALF - 1:
+                    offs_m = blk * BLOCK_M + offs_mb
+                    st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
-        buf = j % 2
-        mbarrier.wait(p_full.index(buf), (j // 2) & 1)
-        pt = p_smem.index(buf).load(st_layout)
-        gl.thread_barrier()  # every lane has read the tile before the buffer goes back
-        mbarrier.arrive(p_empty.index(buf))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         dst16 = gl.convert_layout(dst.to(dtype), a_layout)
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
@@ -164,7 +180,7 @@ def _bwd_dkdv_d256_kernel(
     Hkv, GROUP, Sq, Sk, win_right, qk_scale, sm_scale,
     DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, EXCHANGE: gl.constexpr = True,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -185,7 +201,8 @@ def _bwd_dkdv_d256_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
     rows_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    p_smem = gl.allocate_shared_memory(gl.float32, [2, HALF, BLOCK_M],
+    # (without EXCHANGE a stand-in of one row, unread)
+    p_smem = gl.allocate_shared_memory(gl.float32, [2, HALF if EXCHANGE else 1, BLOCK_M],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -212,10 +229,10 @@ def _bwd_dkdv_d256_kernel(
     gl.warp_specialize([
         (_consumer_p, (dv_base, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem, do_smem,
                        kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL, HEAD_DIM, BLOCK_M,
-                       STAGES)),
-        (_consumer_k, (dk_base, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem, do_smem,
-                       kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, HEAD_DIM, BLOCK_M,
-                       STAGES)),
+                       STAGES, EXCHANGE)),
+        (_consumer_k, (dk_base, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, sm_scale, k_smem,
+                       v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty,
+                       CAUSAL, HEAD_DIM, BLOCK_M, STAGES, EXCHANGE)),
         (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                      stride_doh, off_hk, start_n, Sq, Sq, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem,
                      kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem, HEAD_DIM, BLOCK_M,

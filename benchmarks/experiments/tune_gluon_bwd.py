@@ -12,9 +12,9 @@ The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 
         [--tokens 16384] [--sections 1 2 4]
 
 A tile ``d:BLOCK_M,STAGES`` is the D=256 experiment (gluon_bwd_d256.py beside this: the two
-consumers split by gradient; run with ``--head-dim 256``), ``s:BLOCK_M,STAGES`` the library's kernel
-with SPLIT_DIAG. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is the persistent experiment (gluon_bwd_persistent.py beside
-this; causal with pairs of key blocks, ``h:...`` the same with the twelfth session's heaviest-first
+consumers split by gradient; run with ``--head-dim 256``; ``r:`` the same with P^T recomputed),
+``s:BLOCK_M,STAGES`` the library's kernel with SPLIT_DIAG. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is the
+persistent experiment (gluon_bwd_persistent.py beside this; causal with pairs of key blocks, ``h:...`` the same with the twelfth session's heaviest-first
 order, which lost 15-35% causal in the thirteenth), checked on one program per SM, on 5 programs
 (many tiles each), and causal on 5 programs in sections of one kv head; ``--sections`` also times
 it (causal) with these kv heads per section.
@@ -65,11 +65,11 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=No
             BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, PAIRS=kind == "p", num_warps=bwd_sm90.NUM_WARPS,
             maxnreg=bwd_sm90.MAXNREG)
         return dk, dv
-    if tile[0] == "d":  # the D=256 experiment: consumers split by gradient, 64 keys per program
-        _, block_m, stages = tile
+    if tile[0] in ("d", "r"):  # the D=256 experiment: consumers split by gradient, 64 keys per program
+        kind, block_m, stages = tile  # (r: consumer K recomputes P^T, no handoff)
         gluon_bwd_d256._bwd_dkdv_d256_kernel[gluon_bwd_d256.grid(k)](
             *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D,
-            BLOCK_M=block_m, STAGES=stages, num_warps=4, maxnreg=gluon_bwd_d256.MAXNREG)
+            BLOCK_M=block_m, STAGES=stages, num_warps=4, maxnreg=gluon_bwd_d256.MAXNREG, EXCHANGE=kind == "d")
         return dk, dv
     split_diag = tile[0] == "s"
     block_m, stages = tile[1:] if split_diag else tile
@@ -226,8 +226,8 @@ def main() -> int:
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
     p.add_argument("--tiles", nargs="+", default=["64,2", "p:64,2,1", "p:64,2,2"],
                    help="BLOCK_M,STAGES (the library's kernel; s:BLOCK_M,STAGES: with SPLIT_DIAG; d:BLOCK_M,STAGES: "
-                        "the D=256 experiment, gluon_bwd_d256.py) or p:BLOCK_M,STAGES,KV_BUFS (persistent; h: its "
-                        "heaviest-first causal order)")
+                        "the D=256 experiment, gluon_bwd_d256.py; r: recomputing P^T) or p:BLOCK_M,STAGES,KV_BUFS "
+                        "(persistent; h: its heaviest-first causal order)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")
@@ -235,7 +235,7 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed backwards through the varlen path")
     args = p.parse_args()
-    tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:", "s:", "d:")
+    tiles = [(t[0], *(int(x) for x in t[2:].split(","))) if t[:2] in ("p:", "h:", "s:", "d:", "r:")
              else tuple(int(x) for x in t.split(",")) for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dim)
     bench(args.seqlens, tiles, args.tokens, args.sections, args.head_dim)
