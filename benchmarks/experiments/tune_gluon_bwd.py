@@ -13,11 +13,12 @@ The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 
 
 A tile ``d:BLOCK_M,STAGES`` is the D=256 experiment (gluon_bwd_d256.py beside this: the two
 consumers split by gradient; run with ``--head-dim 256``; ``r:`` the same with P^T recomputed),
-``s:BLOCK_M,STAGES`` the library's kernel with SPLIT_DIAG. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is the
-persistent experiment (gluon_bwd_persistent.py beside this; causal with pairs of key blocks, ``h:...`` the same with the twelfth session's heaviest-first
-order, which lost 15-35% causal in the thirteenth), checked on one program per SM, on 5 programs
-(many tiles each), and causal on 5 programs in sections of one kv head; ``--sections`` also times
-it (causal) with these kv heads per section.
+``s:BLOCK_M,STAGES`` the library's kernel with SPLIT_DIAG. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is
+the persistent experiment (gluon_bwd_persistent.py beside this; causal with pairs of key blocks,
+``h:...`` the same with the twelfth session's heaviest-first order, which lost 15-35% causal in the
+thirteenth), checked on one program per SM, on 5 programs (many tiles each), and causal on 5
+programs in sections of one kv head; ``--sections`` also times it (causal) with these kv heads per
+section.
 
 The eleventh session's Gluon dK/dV kernel with dQ fused (fp32 atomics) lost 2x: in git at 07734a4
 (benchmarks/experiments/gluon_bwd_fused_dq.py, run with this script's --fused there).
