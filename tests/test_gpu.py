@@ -746,33 +746,36 @@ def test_gluon_fused_dq_heads_first_on_gpu(monkeypatch, poison):
     _check_fused_dq(q, k, v, True, monkeypatch, 1)
 
 
-SPLIT_DIAG_CASES = [  # B, Sq, Sk, Hq, Hkv, D, fused dQ (ordered)
-    (2, 1100, 1300, 8, 2, 64, False),
-    (1, 2049, 1500, 4, 4, 64, False),
-    (2, 2100, 2300, 8, 2, 128, False),
-    (1, 3001, 2049, 4, 1, 128, False),
-    (2, 2100, 2300, 8, 2, 128, True),
-    (1, 1500, 3001, 4, 4, 128, True),
+SPLIT_DIAG_CASES = [  # B, Sq, Sk, Hq, Hkv, D, fused dQ (ordered), right edge (0: causal; else a window (-1, it))
+    (2, 1100, 1300, 8, 2, 64, False, 0),
+    (1, 2049, 1500, 4, 4, 64, False, 0),
+    (1, 1500, 1700, 4, 2, 64, False, 77),
+    (2, 2100, 2300, 8, 2, 128, False, 0),
+    (1, 3001, 2049, 4, 1, 128, False, 0),
+    (2, 2100, 2300, 8, 2, 128, True, 0),
+    (1, 1500, 3001, 4, 4, 128, True, 0),
+    (1, 2000, 1800, 4, 2, 128, True, 300),
 ]
 
 
-@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,fused", SPLIT_DIAG_CASES,
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,fused,right", SPLIT_DIAG_CASES,
                          ids=[f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}/{c[4]}-D{c[5]}" + ("-fused" if c[6] else "")
-                              for c in SPLIT_DIAG_CASES])
-def test_gluon_split_diag_on_gpu(B, Sq, Sk, Hq, Hkv, D, fused, monkeypatch, poison):
+                              + (f"-right{c[7]}" if c[7] else "") for c in SPLIT_DIAG_CASES])
+def test_gluon_split_diag_on_gpu(B, Sq, Sk, Hq, Hkv, D, fused, right, monkeypatch, poison):
     """The Gluon dK/dV kernel's causal steps in two loops (bwd.SPLIT_DIAG, TRITONATTN_BWD_SPLIT_DIAG:
     the blocks that cross the diagonal masked, the others not tested): the same blocks in the same
     order as one loop testing each, so gradients bitwise equal to the default's, and the reference's;
     D=64 (128-row tiles, which the default serves only without a mask) and D=128, with the ordered
     fused dQ (lockstep order: the crossing blocks last) and without (first in each head), Sq != Sk
-    both ways, GQA and MHA."""
+    both ways, GQA and MHA, causal and a window's right edge past the diagonal."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], D, (0, 0))
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all" if fused else "0")
     torch.manual_seed(Sq + D)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, BF16, DEVICE)
-    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    window = (-1, right) if right else (-1, -1)
+    out, lse, _ = flash_attn_func(q, k, v, causal=not right, window_size=window, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = []
     for split in (False, True):
@@ -781,7 +784,7 @@ def test_gluon_split_diag_on_gpu(B, Sq, Sk, Hq, Hkv, D, fused, monkeypatch, pois
         grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         assert "_bwd_dkdv_ws_kernel" in names and "_bwd_dkdv_kernel" not in names, names
         assert ("_bwd_dq_kernel" in names) != fused, names
-    check_against_reference(q, k, v, out, lse, grads[1], dout, True)
+    check_against_reference(q, k, v, out, lse, grads[1], dout, not right, window_size=window)
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 

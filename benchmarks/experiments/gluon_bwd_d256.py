@@ -22,7 +22,8 @@ calls only (no varlen, no fused dQ); causal and a window's right edge as the lib
 Takes the library kernel's arguments (bwd_sm90.launch_args) on a grid of (cdiv(Sk, 64), B * Hkv).
 
 Checked against the reference and timed beside the library's Triton dK/dV kernels by
-tune_gluon_bwd.py (tile ``d256:BLOCK_M,STAGES``, with ``--head-dim 256``).
+tune_gluon_bwd.py (tiles ``d:BLOCK_M,STAGES`` and ``r:BLOCK_M,STAGES``, with ``--head-dim 256``).
+Shared memory holds 64-row steps in 2 slots (``d:64,2``) or 32-row steps in up to 4 (``d:32,4``).
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ def _bwd_dkdv_d256_kernel(
     num_warps: gl.constexpr, EXCHANGE: gl.constexpr = True,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    # K, V (64 keys), the Q / dO ring, its lse / delta rows and P^T's two buffers in the 232,448 bytes
+    gl.static_assert(2 * HALF * HEAD_DIM * 2 + STAGES * BLOCK_M * (4 * HEAD_DIM + 8) + 2 * HALF * BLOCK_M * 4
+                     <= 232448 - 1024, "the tile does not fit in shared memory")
     dtype: gl.constexpr = Q.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     start_n = gl.program_id(0) * HALF
