@@ -799,7 +799,7 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
 # The Gluon dK/dV kernel's causal steps in two loops, the blocks that cross the diagonal (masked)
 # and the others (no mask, no test), instead of one loop testing each block (bwd_sm90._accumulate
 # SPLIT_DIAG). An experiment of the eighteenth session, compiled for sm_90 on CPU only: spills of
-# the causal kernel 312 -> 0 bytes at D=64 with 128 rows, 32 -> 0 at D=128 (benchmarks/NOTES.md);
+# the causal kernel 312 -> 0 bytes at D=64 with 128 rows, none fewer at D=128 (benchmarks/NOTES.md);
 # not yet run on a GPU, so off until its GPU tests and timings (TRITONATTN_BWD_SPLIT_DIAG=1).
 SPLIT_DIAG = configs.env_flag("TRITONATTN_BWD_SPLIT_DIAG", default=False)
 
