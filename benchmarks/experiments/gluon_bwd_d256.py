@@ -89,12 +89,7 @@ def _consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale
         do = do_smem.index(slot)
         st = warpgroup_mma(k_smem, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
-        if CAUSAL:  # key j is seen by query i when j <= i + shift
-            if blk * BLOCK_M + shift < start_n + HALF - 1:
-                offs_m = blk * BLOCK_M + offs_mb
-                st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        pt = _probs_t(st, rows_smem.index(2 * slot), blk, offs_n, offs_mb, start_n, shift, qk_scale, CAUSAL, BLOCK_M)
         if EXCHANGE:  # P^T for consumer K, into buffer j % 2 once it has read what was there two steps ago
             buf = j % 2
             mbarrier.wait(p_empty.index(buf), ((j // 2) & 1) ^ 1)
@@ -142,12 +137,8 @@ def _consumer_k(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale
         else:
             st = warpgroup_mma(k_smem, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt, st = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, st))
-            lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
-            if CAUSAL:
-                if blk * BLOCK_M + shift < start_n + HALF - 1:
-                    offs_m = blk * BLOCK_M + offs_mb
-                    st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            pt = _probs_t(st, rows_smem.index(2 * slot), blk, offs_n, offs_mb, start_n, shift, qk_scale, CAUSAL,
+                          BLOCK_M)
         delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         dst16 = gl.convert_layout(dst.to(dtype), a_layout)
@@ -155,6 +146,20 @@ def _consumer_k(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale
         dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
         mbarrier.arrive(empty_bars.index(slot))
     _store_rows(DK, stride_dkn, start_n, Sk, dk, sm_scale)
+
+
+@gluon.jit
+def _probs_t(st, lse2_row, blk, offs_n, offs_mb, start_n, shift, qk_scale, CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """P^T of the 64 keys from ``start_n`` against query block ``blk``: S^T ``st`` (in the layout of
+    ``offs_n`` / ``offs_mb``), masked where the block crosses the causal diagonal (key j is seen by
+    query i when j <= i + shift), then exp2(S^T * qk_scale - lse2), lse2 from the ring's row buffer."""
+    lse2 = lse2_row.load(offs_mb.type.layout)
+    if CAUSAL:
+        if blk * BLOCK_M + shift < start_n + HALF - 1:
+            offs_m = blk * BLOCK_M + offs_mb
+            st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
+    return gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
 
 
 @gluon.jit
