@@ -104,8 +104,8 @@ def main(argv=None) -> int:
 
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, **kw):
         with contextlib.ExitStack() as stack:
-            if split_diag:  # the Gluon dK/dV kernel's causal steps in two loops, at every length
-                stack.enter_context(mock.patch.object(bwd, "SPLIT_DIAG", True))
+            if split_diag:  # the Gluon dK/dV kernel's causal steps in two loops, any tile, at every length
+                stack.enter_context(mock.patch.object(bwd, "SPLIT_DIAG_ROWS", 1))
                 stack.enter_context(mock.patch.dict(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], {D: (0, 0)}))
             # the Gluon sm_90 forward and dK/dV kernels only where a case asks for them (the others
             # compile the Triton kernels)
@@ -199,11 +199,12 @@ def main(argv=None) -> int:
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 (f"gluon-atomic-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=8192, gluon=True, atomic_dq=True)),
+                # D=256: the dK/dV kernel's consumers split by gradient (bwd_sm90 SPLIT_GRADS)
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
-                # the Gluon dK/dV kernel's causal steps in two loops (bwd.SPLIT_DIAG, off by default):
-                # D=64 with 128-row tiles, and D=128 with the ordered fused dQ
-                (f"gluon-split-diag-causal-D64-{dt}", 64, dtypes[dt], dict(base),
-                 dict(s=8192, gluon=True, split_diag=True)),
+                (f"gluon-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True)),
+                (f"gluon-varlen-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=2048, gluon=True, varlen=True)),
+                # the Gluon dK/dV kernel's causal steps in two loops (bwd.SPLIT_DIAG_ROWS: D=64's 128-row
+                # tiles, above), forced at D=128 with the ordered fused dQ
                 (f"gluon-split-diag-fused-causal-{dt}", 128, dtypes[dt], dict(base),
                  dict(s=4096, gluon=True, split_diag=True, fused_dq="all")),
                 # the long causal tile with its key block capped for a bias tile and dropout's bits

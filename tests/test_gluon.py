@@ -432,3 +432,40 @@ def test_fused_dq_varlen_classes(monkeypatch):
     assert not gluon["FUSED_DQ"]
     # the dQ kernel launches after the fused one's buffer was copied into dq: none before it
     assert names.index("_bwd_dq_kernel") > 1
+
+
+@pytest.mark.parametrize("env", [None, "all", "atomic"], ids=["default", "fused-all", "atomic-dq"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
+    """The Gluon dK/dV kernel's launch by head dim (CPU tensors as if on sm_90, launches recorded),
+    causal from its causal length: 128 keys per program at D=64 / 128 and 64 at D=256 (the consumers
+    split by gradient, bwd_sm90 SPLIT_GRADS), the causal blocks in two loops for D=64's 128-row
+    tiles only (bwd.SPLIT_DIAG_ROWS). D=256 has no fused dQ: with TRITONATTN_BWD_FUSED_DQ=all the
+    dQ kernel and the Gluon dK/dV kernel without it, and with the opt-in atomic dQ (which the
+    dK/dV kernel must compute) the Triton dK/dV kernel."""
+    from tritonattn.kernels import launch, plan
+
+    if env == "atomic":
+        monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    elif env is not None:
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", env)
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+    S = max(configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][1], 1000) + 37
+    q, k, v = qkv(Sq=S - 5, Sk=S, D=D)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S - 5)
+    plan.clear()
+    bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
+    names = [name for name, *_ in seen]
+    if D == 256 and env == "atomic":
+        assert "_bwd_dkdv_ws_kernel" not in names and "_bwd_dkdv_kernel" in names, names
+        return
+    _, grid, args, kwargs = next(s for s in seen if s[0] == "_bwd_dkdv_ws_kernel")
+    assert grid == (-(-S // (64 if D == 256 else 128)), 2 * 2), grid
+    assert bwd.bwd_sm90.block_n(D) == (64 if D == 256 else 128)
+    assert kwargs["SPLIT_DIAG"] == (D == 64) and kwargs["BLOCK_M"] == bwd.bwd_sm90.TILES[D][0], kwargs
+    if D == 256:
+        assert not kwargs["FUSED_DQ"] and names == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], (kwargs, names)

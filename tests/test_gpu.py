@@ -194,6 +194,14 @@ GLUON_CASES = [
     (1, 4095, 4095, 2, 2, 64, True, BF16),  # one short of D=64's causal length: the Triton forward
     (1, 4096, 4000, 4, 1, 64, False, BF16),
     (1, 2047, 2047, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
+    # the dK/dV kernel's other tiles: D=64 causal (its crossing blocks in loops of their own), D=256
+    # (the consumers split by gradient), GQA / MQA / MHA, Sq != Sk both ways, one query
+    (1, 1030, 2000, 4, 1, 64, True, BF16),
+    (2, 1023, 1023, 4, 2, 64, True, BF16),  # one short of D=64's causal dK/dV length
+    (1, 2049, 3001, 4, 1, 256, True, F16),
+    (1, 3001, 1100, 4, 4, 256, True, BF16),
+    (2, 1, 2048, 4, 2, 256, True, BF16),
+    (1, 1100, 1030, 6, 2, 256, False, F16),
 ]
 
 
@@ -448,7 +456,8 @@ def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
     ways, a sequence with queries and no key (out 0, lse -inf), one with keys and no query (dK, dV
     0), one query; and bitwise what the sequence's own dense call gives where that call takes the
     Gluon forward too. D=64 / 256: the forward's other tiles (D=64 causal is under its length: the
-    Triton forward), the Triton dK/dV kernel."""
+    Triton forward), and the dK/dV kernel's (D=64: 128 rows, causal blocks in two loops; D=256: the
+    consumers split by gradient)."""
     from tritonattn import flash_attn_varlen_func
 
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
@@ -762,10 +771,10 @@ SPLIT_DIAG_CASES = [  # B, Sq, Sk, Hq, Hkv, D, fused dQ (ordered), right edge (0
                          ids=[f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}/{c[4]}-D{c[5]}" + ("-fused" if c[6] else "")
                               + (f"-right{c[7]}" if c[7] else "") for c in SPLIT_DIAG_CASES])
 def test_gluon_split_diag_on_gpu(B, Sq, Sk, Hq, Hkv, D, fused, right, monkeypatch, poison):
-    """The Gluon dK/dV kernel's causal steps in two loops (bwd.SPLIT_DIAG, TRITONATTN_BWD_SPLIT_DIAG:
+    """The Gluon dK/dV kernel's causal steps in two loops (for tiles of bwd.SPLIT_DIAG_ROWS rows:
     the blocks that cross the diagonal masked, the others not tested): the same blocks in the same
-    order as one loop testing each, so gradients bitwise equal to the default's, and the reference's;
-    D=64 (128-row tiles, which the default serves only without a mask) and D=128, with the ordered
+    order as one loop testing each, so gradients bitwise equal to one loop's, and the reference's;
+    D=64 (128-row tiles, where the default splits) and D=128 (where it does not), with the ordered
     fused dQ (lockstep order: the crossing blocks last) and without (first in each head), Sq != Sk
     both ways, GQA and MHA, causal and a window's right edge past the diagonal."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
@@ -778,8 +787,8 @@ def test_gluon_split_diag_on_gpu(B, Sq, Sk, Hq, Hkv, D, fused, right, monkeypatc
     out, lse, _ = flash_attn_func(q, k, v, causal=not right, window_size=window, return_attn_probs=True)
     dout = torch.randn_like(out)
     grads = []
-    for split in (False, True):
-        monkeypatch.setattr(bwd, "SPLIT_DIAG", split)
+    for rows in (10**9, 1):  # one loop, then two loops, whatever the tile
+        monkeypatch.setattr(bwd, "SPLIT_DIAG_ROWS", rows)
         names = _launched(monkeypatch)
         grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         assert "_bwd_dkdv_ws_kernel" in names and "_bwd_dkdv_kernel" not in names, names

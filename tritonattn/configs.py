@@ -319,10 +319,13 @@ SHORT_SEQLEN = 1024
 # without a mask 0.95x at 512 B=1, 1.11-1.47x at B >= 2, 1.16-1.47x from 1024.
 # The dK / dV kernel at D=64 (its tile in bwd_sm90.TILES; eighteenth session, the kernel alone,
 # Hq=32, Hkv=8, 16k tokens): without a mask 1.15x at 1024, 1.17x at 2048, 1.16x at 4096, 1.19x at
-# 16384; with one 0.97x, 0.96x, 0.95x, 1.04x (its best tile), so never (math.inf).
+# 16384; with one (nineteenth session, its crossing blocks in loops of their own: bwd.SPLIT_DIAG_ROWS)
+# 1.12x, 1.10x, 1.08x, 1.22x. At D=256 (the consumers split by gradient, bwd_sm90 SPLIT_GRADS,
+# nineteenth session, same shape): 1.96x / 2.02x at 1024, 1.95x / 1.82x at 4096, 2.04x / 1.73x at
+# 16384 (without / with a mask).
 GLUON_MIN_SEQLEN = {
     "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
-    "bwd_dkdv": {128: (512, 2048), 64: (1024, math.inf)},
+    "bwd_dkdv": {128: (512, 2048), 64: (1024, 1024), 256: (1024, 1024)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
 # its tiles added in a fixed order: bwd.fused_dq_mode), by head dim: (without, with a mask) the

@@ -11,9 +11,10 @@ The first session's Gluon dQ kernel lost (0.91-1.03x the Triton one): in git at 
     python benchmarks/experiments/tune_gluon_bwd.py [--seqlens 512 2048] [--tiles 64,2 p:64,2,2] \
         [--tokens 16384] [--sections 1 2 4]
 
-A tile ``d:BLOCK_M,STAGES`` is the D=256 experiment (gluon_bwd_d256.py beside this: the two
-consumers split by gradient; run with ``--head-dim 256``; ``r:`` the same with P^T recomputed),
-``s:BLOCK_M,STAGES`` the library's kernel with SPLIT_DIAG. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is
+A tile ``BLOCK_M,STAGES`` is the library's kernel (with ``--head-dim 256`` its consumers split by
+gradient; the eighteenth session's D=256 experiment, gluon_bwd_d256.py, became that, and its
+variant recomputing P^T, tile ``r:``, lost: in git at b1f6575), its causal blocks in two loops for
+tiles of bwd.SPLIT_DIAG_ROWS rows; ``s:BLOCK_M,STAGES`` in two loops at any tile. A tile ``p:BLOCK_M,STAGES,KV_BUFS`` is
 the persistent experiment (gluon_bwd_persistent.py beside this; causal with pairs of key blocks,
 ``h:...`` the same with the twelfth session's heaviest-first order, which lost 15-35% causal in the
 thirteenth), checked on one program per SM, on 5 programs (many tiles each), and causal on 5
@@ -33,7 +34,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import gluon_bwd_d256  # noqa: E402
 import gluon_bwd_persistent  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -66,15 +66,10 @@ def run(q, k, v, out, lse, do, causal, tile, delta=None, grads=None, programs=No
             BLOCK_M=block_m, STAGES=stages, KV_BUFS=kv_bufs, PAIRS=kind == "p", num_warps=bwd_sm90.NUM_WARPS,
             maxnreg=bwd_sm90.MAXNREG)
         return dk, dv
-    if tile[0] in ("d", "r"):  # the D=256 experiment: consumers split by gradient, 64 keys per program
-        kind, block_m, stages = tile  # (r: consumer K recomputes P^T, no handoff)
-        gluon_bwd_d256._bwd_dkdv_d256_kernel[gluon_bwd_d256.grid(k)](
-            *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D,
-            BLOCK_M=block_m, STAGES=stages, num_warps=4, maxnreg=gluon_bwd_d256.MAXNREG, EXCHANGE=kind == "d")
-        return dk, dv
-    split_diag = tile[0] == "s"
-    block_m, stages = tile[1:] if split_diag else tile
-    grid = (triton.cdiv(k.shape[1], bwd_sm90.BLOCK_N), k.shape[0] * k.shape[2])
+    forced = tile[0] == "s"  # two causal loops whatever the tile (else the launcher's rule)
+    block_m, stages = tile[1:] if forced else tile
+    split_diag = forced or block_m >= bwd.SPLIT_DIAG_ROWS
+    grid = (triton.cdiv(k.shape[1], bwd_sm90.block_n(D)), k.shape[0] * k.shape[2])
     bwd_sm90._bwd_dkdv_ws_kernel[grid](
         *bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, *scales), CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m,
         STAGES=stages, num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, SPLIT_DIAG=split_diag)
@@ -226,9 +221,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 8192])
     p.add_argument("--tiles", nargs="+", default=["64,2", "p:64,2,1", "p:64,2,2"],
-                   help="BLOCK_M,STAGES (the library's kernel; s:BLOCK_M,STAGES: with SPLIT_DIAG; d:BLOCK_M,STAGES: "
-                        "the D=256 experiment, gluon_bwd_d256.py; r: recomputing P^T) or p:BLOCK_M,STAGES,KV_BUFS "
-                        "(persistent; h: its heaviest-first causal order)")
+                   help="BLOCK_M,STAGES (the library's kernel; s:BLOCK_M,STAGES: with SPLIT_DIAG at any tile) or "
+                        "p:BLOCK_M,STAGES,KV_BUFS (persistent; h: its heaviest-first causal order)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first persistent tile with these kv heads per section")

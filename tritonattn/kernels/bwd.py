@@ -631,7 +631,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -667,10 +667,14 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
-            if atomic_dq or fused_mode == "all" or (
+            if not bwd_sm90.fuses_dq(D):  # (the atomic path's dQ comes from the Triton dK/dV kernel there)
+                if not atomic_dq:
+                    return GLUON_ROUTE
+            elif atomic_dq or fused_mode == "all" or (
                     fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv)):
                 return GLUON_FUSED_ROUTE
-            return GLUON_ROUTE
+            else:
+                return GLUON_ROUTE
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
                                             seqlen=longest)
 
@@ -703,12 +707,13 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         block_m, stages = bwd_sm90.TILES[D]
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
-        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.BLOCK_N), B * Hkv),
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.block_n(D)), B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
-                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None, SPLIT_DIAG=SPLIT_DIAG))
+                      FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None,
+                      SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS))
 
     dqa = None
     if fused:
@@ -796,12 +801,13 @@ GLUON = bwd_sm90 is not None and configs.env_flag("TRITONATTN_BWD_GLUON",
 # 1.09-1.32x with it on the H200 (thirteenth session, 16k tokens from S=2048, equal and ragged
 # lengths). On wherever the Gluon dK/dV kernel is; TRITONATTN_BWD_GLUON_VARLEN=0 turns it off.
 GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
-# The Gluon dK/dV kernel's causal steps in two loops, the blocks that cross the diagonal (masked)
-# and the others (no mask, no test), instead of one loop testing each block (bwd_sm90._accumulate
-# SPLIT_DIAG). An experiment of the eighteenth session, compiled for sm_90 on CPU only: spills of
-# the causal kernel 312 -> 0 bytes at D=64 with 128 rows, none fewer at D=128 (benchmarks/NOTES.md);
-# not yet run on a GPU, so off until its GPU tests and timings (TRITONATTN_BWD_SPLIT_DIAG=1).
-SPLIT_DIAG = configs.env_flag("TRITONATTN_BWD_SPLIT_DIAG", default=False)
+# The Gluon dK/dV kernel runs its causal steps in two loops, the blocks that cross the diagonal
+# (masked) and the others (no mask, no test), instead of one loop testing each block
+# (bwd_sm90._accumulate SPLIT_DIAG), for tiles of at least this many query rows (D=64's 128):
+# spills of its causal kernel 312 -> 0 bytes, and 1.08-1.22x the Triton dK/dV kernel at
+# S=1024-16384 where one loop was 0.48-0.55x (H200, nineteenth session, benchmarks/NOTES.md). At
+# D=128 (64 rows) it removes no spill (32 -> 32 bytes), so one loop stays there.
+SPLIT_DIAG_ROWS = 128
 
 
 def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int | None = None) -> bool:

@@ -2,12 +2,15 @@
 (kernels/fwd_sm90.py: a TMA producer warp and two consumer warpgroups, no CTA-wide barrier in the
 loop).
 
-A program owns 128 keys of one kv head, in three partitions:
+A program owns 128 keys of one kv head (64 with SPLIT_GRADS), in three partitions:
 - a producer warp: the TMA loads of K / V (once) and, for every query head of the group and every
   query block of BLOCK_M rows, of the Q and dO tiles into a ring of STAGES slots, each refilled
   once both consumers released it;
 - two consumer warpgroups of 64 keys each: S^T = K Q^T and dP^T = V dO^T, P^T = exp2(S^T - lse),
   dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q, accumulated in registers.
+  From head dim 256 (SPLIT_GRADS) a program owns 64 keys and the consumers split the work by
+  gradient instead: one computes P^T and dV, handing P^T to the other through shared memory,
+  which computes dP^T, dS^T and dK (one 64 x D fp32 accumulator each; nineteenth session).
 The producer also writes each query block's lse2 and delta to shared memory next to its Q / dO
 slot, which the consumers read after their products: a load after an mbarrier wait cannot be
 hoisted above it, so they are not live during the products (spills per consumer thread 32 / 80
@@ -58,10 +61,26 @@ BLOCK_N = 2 * HALF.value  # the launcher's
 # a few percent of it, lower in most cells); 32 rows and 4 slots 0.81-0.88x. D=64 (eighteenth
 # session, 2026-12-02, the kernel alone, Hq=32, Hkv=8, 16k tokens): without a mask 128 rows and 2
 # slots 1.15-1.19x the Triton kernel at S=1024-16384 (64 rows: 1.02-1.08x, with 3 slots 1.06-1.11x);
-# with a causal mask 0.93-1.06x at best (64 rows, 3 slots; 128 rows 0.48-0.55x), so the Triton
-# kernel keeps causal calls at D=64 (configs.GLUON_MIN_SEQLEN)
-TILES = {128: (64, 2), 64: (128, 2)}
+# with a causal mask 0.93-1.06x at best with one loop testing each block (64 rows, 3 slots; 128
+# rows 0.48-0.55x, 312 bytes of spills), 1.08-1.22x with 128 rows and the crossing blocks in loops
+# of their own (SPLIT_DIAG, which the launcher sets for tiles of 128 rows; nineteenth session)
+# D=256 (nineteenth session, 2026-12-02, the kernel alone, Hq=32, Hkv=8, 16k tokens): the consumers
+# split by gradient (SPLIT_GRADS below), 64 rows and 2 slots: 1.95-2.04x the Triton dK / dV
+# kernels without a mask, 1.73-2.02x with one, at S=1024-16384 (P^T recomputed by the dK consumer
+# instead of handed over: 1.59-1.87x)
+TILES = {128: (64, 2), 64: (128, 2), 256: (64, 2)}
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
+SPLIT_GRADS_FROM = gl.constexpr(256)  # head dims from here: a program owns 64 keys, its consumers split by gradient
+
+
+def block_n(head_dim: int) -> int:
+    """Keys per program: 2 x 64, or 64 where the consumers split by gradient (SPLIT_GRADS)."""
+    return HALF.value if head_dim >= SPLIT_GRADS_FROM.value else BLOCK_N
+
+
+def fuses_dq(head_dim: int) -> bool:
+    """The kernel can compute dQ too (FUSED_DQ) at this head dim: not where it splits by gradient."""
+    return head_dim < SPLIT_GRADS_FROM.value
 MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to the consumers
 
 
@@ -69,24 +88,26 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
               Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr):
-    _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM)
+              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr, HALVES: gl.constexpr = 2):
+    _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM, HALVES)
     _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
                        BLOCK_M, STAGES, LOCKSTEP)
 
 
 @gluon.jit
-def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_bar, HEAD_DIM: gl.constexpr):
+def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_bar, HEAD_DIM: gl.constexpr,
+             HALVES: gl.constexpr = 2):
     """TMA loads of the program's 128 keys of K and V, as two 64-key halves each (smem slots
-    2 buf, 2 buf + 1 of ``k_smem`` / ``v_smem``), arriving on ``kv_bar``."""
+    2 buf, 2 buf + 1 of ``k_smem`` / ``v_smem``), arriving on ``kv_bar``; with HALVES=1 its 64 keys
+    (slot buf)."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     k_desc = tma.make_tensor_descriptor(K, [Sk, HEAD_DIM], [stride_kn, 1], [HALF, HEAD_DIM], layout)
     v_desc = tma.make_tensor_descriptor(V, [Sk, HEAD_DIM], [stride_vn, 1], [HALF, HEAD_DIM], layout)
-    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(2 * buf + c))
-        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(2 * buf + c))
+    mbarrier.expect(kv_bar, 2 * HALVES * k_desc.block_type.nbytes)
+    for c in gl.static_range(HALVES):
+        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(HALVES * buf + c))
+        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(HALVES * buf + c))
 
 
 @gluon.jit
@@ -201,6 +222,85 @@ def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GRO
 
 
 @gluon.jit
+def _split_consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem, do_smem,
+                      kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """SPLIT_GRADS, consumer P (the default partition): S^T = K Q^T and P^T of each step, handed to
+    consumer dS through ``p_smem`` (fp32, buffer step % 2: ``p_full`` / ``p_empty``), and
+    dV += P^T dO of the program's 64 keys."""
+    dtype: gl.constexpr = k_smem.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    offs_n = start_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
+    k = k_smem.index(0)
+    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(GROUP * n_m):
+        _g, blk = _step(j, GROUP, lo_blk, n_m, False)
+        slot = j % STAGES
+        mbarrier.wait(ready_bars.index(slot), (j // STAGES) & 1)
+        st = warpgroup_mma(k, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
+        if CAUSAL:  # key j is seen by query i when j <= i + shift; a test per step
+            if blk * BLOCK_M + shift < start_n + HALF - 1:
+                offs_m = blk * BLOCK_M + offs_mb
+                st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        # into buffer j % 2 once consumer dS has read what was there two steps ago
+        buf = j % 2
+        mbarrier.wait(p_empty.index(buf), ((j // 2) & 1) ^ 1)
+        p_smem.index(buf).store(pt)
+        gl.thread_barrier()  # every lane's part of the tile before the arrival
+        mbarrier.arrive(p_full.index(buf))
+        pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+        dv = warpgroup_mma(pt16, do_smem.index(slot), dv, is_async=True)
+        dv, pt16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt16))
+        mbarrier.arrive(empty_bars.index(slot))
+    _store_rows(DV, stride_dvn, start_n, Sk, dv, 1.0)
+
+
+@gluon.jit
+def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem, do_smem, kv_bar,
+                       ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """SPLIT_GRADS, consumer dS (a worker warpgroup): dP^T = V dO^T, P^T from consumer P,
+    dS^T = P^T (dP^T - delta), and dK += dS^T Q of the program's 64 keys."""
+    dtype: gl.constexpr = v_smem.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
+    v = v_smem.index(0)
+    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(GROUP * n_m):
+        slot = j % STAGES
+        mbarrier.wait(ready_bars.index(slot), (j // STAGES) & 1)
+        q = q_smem.index(slot)
+        dpt = warpgroup_mma(v, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        buf = j % 2
+        mbarrier.wait(p_full.index(buf), (j // 2) & 1)
+        pt = p_smem.index(buf).load(st_layout)
+        gl.thread_barrier()  # every lane has read the tile before the buffer goes back
+        mbarrier.arrive(p_empty.index(buf))
+        delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
+        dst16 = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+        dk = warpgroup_mma(dst16, q, dk, is_async=True)
+        dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
+        mbarrier.arrive(empty_bars.index(slot))
+    _store_rows(DK, stride_dkn, start_n, Sk, dk, sm_scale)
+
+
+@gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, dq_stage,
                dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk, in
@@ -264,11 +364,11 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
     loads, each slot released after its products. Returns dk, dv and the ring's next block.
 
-    CAUSAL: a block whose rows cross the keys' diagonal gets the mask. SPLIT_DIAG (the eighteenth
-    session's experiment, off by default): those blocks in loops of their own (the first blocks of
-    each head, or the last steps in LOCKSTEP order), the others in loops without the mask, instead
-    of one loop that tests each block (whose branch spilled 312 bytes at D=64 with 128 rows, 0
-    with the split; see _steps).
+    CAUSAL: a block whose rows cross the keys' diagonal gets the mask. SPLIT_DIAG (which the
+    launcher sets for 128-row tiles, bwd.SPLIT_DIAG_ROWS): those blocks in loops of their own (the
+    first blocks of each head, or the last steps in LOCKSTEP order), the others in loops without the
+    mask, instead of one loop that tests each block (whose branch spilled 312 bytes at D=64 with 128
+    rows, 0 with the split, and ran at half the speed; see _steps).
 
     FUSED_DQ (consumer ``WG`` of the two): also this program's share of dQ, FlashAttention-3's way.
     Each consumer writes its dS^T tile to ``ds_smem`` (slot 2 (step parity) + WG) and arrives on
@@ -400,14 +500,19 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale):
     """dK (scaled by sm_scale) and dV of keys [key0, key0 + 64), rows past Sk left alone."""
-    acc_layout: gl.constexpr = dk.type.layout
+    _store_rows(DK, stride_dkn, key0, Sk, dk, sm_scale)
+    _store_rows(DV, stride_dvn, key0, Sk, dv, 1.0)
+
+
+@gluon.jit
+def _store_rows(PTR, stride_n, key0, Sk, acc, scale):
+    """``acc * scale`` into rows [key0, key0 + 64) of PTR, rows past Sk left alone."""
+    acc_layout: gl.constexpr = acc.type.layout
     rows = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, acc_layout))
-    ok = gl.expand_dims(rows < Sk, 1)
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc_layout))
     r64 = gl.expand_dims(rows.to(gl.int64), 1)
-    dtype: gl.constexpr = DK.dtype.element_ty
-    gl.store(DK + r64 * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=ok)
-    gl.store(DV + r64 * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=ok)
+    gl.store(PTR + r64 * stride_n + gl.expand_dims(cols, 0), (acc * scale).to(PTR.dtype.element_ty),
+             mask=gl.expand_dims(rows < Sk, 1))
 
 
 @gluon.jit
@@ -427,6 +532,15 @@ def _bwd_dkdv_ws_kernel(
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
+    # split the work by gradient, each with one 64 x D accumulator (two per consumer would not fit
+    # the registers at D=256): _split_consumer_p (S^T, P^T, dV += P^T dO) hands P^T through shared
+    # memory to _split_consumer_ds (dP^T, dS^T, dK += dS^T Q), four products per step in all
+    SPLIT_GRADS: gl.constexpr = HEAD_DIM >= SPLIT_GRADS_FROM
+    KV_HALVES: gl.constexpr = 1 if SPLIT_GRADS else 2
+    gl.static_assert(not (SPLIT_GRADS and FUSED_DQ), "no fused dQ where the consumers split by gradient")
+    gl.static_assert(2 * KV_HALVES * HALF * HEAD_DIM * 2 + STAGES * BLOCK_M * (4 * HEAD_DIM + 8)
+                     + SPLIT_GRADS * 2 * HALF * BLOCK_M * 4 <= 232448 - 1024, "the tile does not fit in shared memory")
     dtype: gl.constexpr = Q.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     pid_n = gl.program_id(0)
@@ -445,7 +559,7 @@ def _bwd_dkdv_ws_kernel(
         Sk = (gl.load(CU_K + off_b + 1) - k_start).to(gl.int32)
         longest = gl.maximum(Sq, Sk)
         # past this sequence's keys, or a sequence of another length class (launch.length_classes)
-        if (pid_n * (2 * HALF) >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
+        if (pid_n * (KV_HALVES * HALF) >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
             return
         # a sequence with no query: its keys' dK / dV are 0 (no block loaded); a one-row descriptor
         q_rows = gl.maximum(Sq, 1)
@@ -454,7 +568,7 @@ def _bwd_dkdv_ws_kernel(
 
     # the program's key block (FUSED_DQ with DETERMINISTIC: its rank in _dq_writer's order)
     key_blk = pid_n
-    start_n = key_blk * (2 * HALF)
+    start_n = key_blk * (KV_HALVES * HALF)
 
     # queries [lo_blk * BLOCK_M, Sq) see some key of the block (causal: query i sees j <= i + shift)
     shift = Sk - Sq + win_right
@@ -463,8 +577,8 @@ def _bwd_dkdv_ws_kernel(
         lo_blk = gl.minimum(gl.maximum(start_n - shift, 0), Sq) // BLOCK_M
     n_m = gl.cdiv(Sq, BLOCK_M) - lo_blk
 
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_HALVES, HALF, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_HALVES, HALF, HEAD_DIM], layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
     # each slot's lse2 and delta rows, written by the producer
@@ -492,6 +606,14 @@ def _bwd_dkdv_ws_kernel(
             mbarrier.init(ds_bars.index(i), count=2)
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
+    if SPLIT_GRADS:  # P^T from consumer P to consumer dS: two fp32 buffers, a full and an empty barrier each
+        p_smem = gl.allocate_shared_memory(gl.float32, [2, HALF, BLOCK_M],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+        p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(p_full.index(i), count=1)
+            mbarrier.init(p_empty.index(i), count=1)
     fence_async_shared()
 
     q_base = Q + off_b * stride_qb + q_start * stride_qm
@@ -524,6 +646,19 @@ def _bwd_dkdv_ws_kernel(
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
                           dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
         ], [4, 1, 1], [240, 24, 24])
+    elif SPLIT_GRADS:
+        gl.warp_specialize([
+            (_split_consumer_p, (dv_base, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem,
+                                 do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL,
+                                 HEAD_DIM, BLOCK_M, STAGES)),
+            (_split_consumer_ds, (dk_base, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem,
+                                  do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty,
+                                  HEAD_DIM, BLOCK_M, STAGES)),
+            (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
+                         stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
+                         do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
+                         HEAD_DIM, BLOCK_M, STAGES, False, 1)),
+        ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
