@@ -162,14 +162,16 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m, BH, SEC,
-              Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
+              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
+              SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
               IS_VARLEN: gl.constexpr):
-    """TMA loads, tile after tile: K / V block j into ring slot (J + j) % STAGES once both consumers
-    released the block that was there (block 0 always: the consumers read it even when no key is
-    visible), and the tile's Q (two 64-row halves) after its first K block, into a Q buffer both
-    consumers are done with. Runs into the next tile while the consumers finish this one."""
+    """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
+    released the K block that was there, V block j likewise into the V ring (block 0 always: the
+    consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
+    first K block, into a Q buffer both consumers are done with. The rings are released apart: a K
+    slot as soon as both S products that read it are done, a step before its V slot, so K block
+    j + STAGES - 1 loads while step j runs. Runs into the next tile while the consumers finish this one."""
     HALF: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     J = 0  # K / V blocks loaded so far (all tiles)
@@ -203,7 +205,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                 jj = J + j
                 slot = jj % STAGES
                 # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
-                mbarrier.wait(empty_bars.index(slot), ((jj // STAGES) & 1) ^ 1)
+                mbarrier.wait(k_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
                 if j == 0:  # Q after the first K block: its buffer frees up last
@@ -213,6 +215,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bars.index(qb), q_smem.index(2 * qb))
                     tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bars.index(qb),
                                                     q_smem.index(2 * qb + 1))
+                mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
                 mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
             J += nb
@@ -220,14 +223,15 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
 
 
 @gluon.jit
-def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, turn_bars,
+                    acc,
                     p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
-    rescale, and block j-1's slot released. The ring's blocks and the turns count from J and T
-    (0 here; a program that walks several tiles passes what its earlier tiles used)."""
+    rescale; K block j's and V block j-1's slots released. The rings' blocks and the turns count from
+    J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
@@ -239,7 +243,8 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - WG))
         s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
-        mbarrier.arrive(empty_bars.index(prev))
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.arrive(v_empty.index(prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
                                              MASKED, CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -249,7 +254,8 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
-              v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq,
+              v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
+              Sq,
               Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
               IS_VARLEN: gl.constexpr):
@@ -289,15 +295,16 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(J % STAGES))
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
-                                               v_bars, empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
+                                               v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout,
                                                p_layout)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
-                                               v_bars, empty_bars, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
+                                               v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout,
                                                p_layout)
             # every S of the tile is done: its Q buffer can take a later tile's Q
@@ -310,7 +317,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
-            mbarrier.arrive(empty_bars.index(last % STAGES))
+            mbarrier.arrive(v_empty.index(last % STAGES))
 
             # rows that saw no key: output 0, lse -inf
             seen = l_i > 0.0
@@ -356,7 +363,8 @@ def _fwd_ws_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_bars.index(i), count=1)
@@ -364,22 +372,23 @@ def _fwd_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn_bars.index(i), count=1)
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
-                     causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                     Q_BUFS, IS_VARLEN)),
+                     q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
+                     Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
+                     STAGES, Q_BUFS, IS_VARLEN)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
-                     causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                     Q_BUFS, IS_VARLEN)),
+                     q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
+                     Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
+                     STAGES, Q_BUFS, IS_VARLEN)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                     stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, n_tiles, n_m,
+                     stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
                      BLOCK_N, STAGES, Q_BUFS, IS_VARLEN)),
     ], [4, 1], [240, 24])
