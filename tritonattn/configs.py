@@ -322,11 +322,14 @@ SHORT_SEQLEN = 1024
 # 16384; with one (nineteenth session, its crossing blocks in loops of their own: bwd.SPLIT_DIAG_ROWS)
 # 1.12x, 1.10x, 1.08x, 1.22x. At D=256 (the consumers split by gradient, bwd_sm90 SPLIT_GRADS,
 # nineteenth session, same shape): 1.96x / 2.02x at 1024, 1.95x / 1.82x at 4096, 2.04x / 1.73x at
-# 16384 (without / with a mask). Both from 512 (nineteenth session, the tuner at S=512, B=32):
-# D=64 1.08x / 1.14x, D=256 1.95x / 2.12x.
+# 16384 (without / with a mask). D=256 from 512 (nineteenth session, the tuner at S=512, B=32:
+# 1.95x / 2.12x; the fa grid's whole backward (MHA, B=32) 0.83x / 0.78x cuDNN -> 1.10x / 0.97x).
+# D=64 from 512 was 1.08x / 1.14x in the tuner (GQA, 4 heads per program) but took the fa grid's
+# MHA backward at 512 from 0.96x / 0.99x cuDNN to 0.84x / 0.86x (programs of one head, 4 query
+# blocks: fill and drain), so D=64 keeps 1024.
 GLUON_MIN_SEQLEN = {
     "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (1024, 1024)},
-    "bwd_dkdv": {128: (512, 2048), 64: (512, 512), 256: (512, 512)},
+    "bwd_dkdv": {128: (512, 2048), 64: (1024, 1024), 256: (512, 512)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
 # its tiles added in a fixed order: bwd.fused_dq_mode), by head dim: (without, with a mask) the

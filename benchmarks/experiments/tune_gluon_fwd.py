@@ -1,5 +1,5 @@
 """The Gluon sm_90 forward (tritonattn/kernels/fwd_sm90.py: persistent, warp-specialized, ping-pong)
-against the library's Triton forward and cuDNN, on the H200, by tile (BLOCK_N,STAGES,Q_BUFS). The
+against the library's Triton forward and cuDNN, on the H200, by tile (BLOCK_N,STAGES,Q_BUFS,K_APART). The
 first Gluon tries that lost (intra-warpgroup overlap, lazy rescaling; benchmarks/NOTES.md, tenth
 session) are in git at 57d25c1 (benchmarks/experiments/gluon_fwd_sm90.py); the kernel before it
 became persistent (one program per tile) at 9f458fb.
@@ -34,7 +34,7 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 
 def run(q, k, v, causal, tile, win_right=0, programs=None, poison=True):
-    """tile: (BLOCK_N, STAGES, Q_BUFS) of the library's Gluon forward (tritonattn/kernels/fwd_sm90.py),
+    """tile: (BLOCK_N, STAGES, Q_BUFS, K_APART) of the library's Gluon forward (tritonattn/kernels/fwd_sm90.py),
     on one program per SM or on ``programs``. ``poison``: out and lse start as NaN (the checks);
     timings pass False: in a graph replay the two fills are kernels too (9-11% of the forward at
     S=1024-2048, B=1-4, which the library's calls, timed beside it, do not pay; fourteenth session)."""
@@ -44,12 +44,13 @@ def run(q, k, v, causal, tile, win_right=0, programs=None, poison=True):
     else:
         out, lse = torch.empty_like(q), torch.empty((B, Hq, Sq), device=q.device)
     fwd._need_allocator()
-    bn, stages, q_bufs = tile
+    bn, stages, q_bufs, k_apart = tile
     tiles = triton.cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq
     programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
     fwd_sm90._fwd_ws_kernel[(min(tiles, programs),)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
-        BLOCK_N=bn, STAGES=stages, Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG)
+        BLOCK_N=bn, STAGES=stages, Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG,
+        K_APART=bool(k_apart))
     return out, lse
 
 
@@ -223,7 +224,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    p.add_argument("--tiles", nargs="+", default=["128,3,1"], help="BLOCK_N,STAGES,Q_BUFS")
+    p.add_argument("--tiles", nargs="+", default=["128,3,1,0"],
+                   help="BLOCK_N,STAGES,Q_BUFS[,K_APART] (K_APART 1: K slots released before their V; default 0)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens / S)")
     p.add_argument("--sections", type=int, nargs="*", default=[],
                    help="causal: also time the first tile with these heads per section (fwd_sm90.HEADS_PER_SECTION)")
@@ -231,7 +233,7 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--varlen", action="store_true", help="also time packed sequences through the varlen path")
     args = p.parse_args()
-    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    tiles = [(tuple(int(x) for x in t.split(",")) + (0,))[:4] for t in args.tiles]
     failures = 0 if args.no_check else check(tiles, args.head_dims)
     bench(args.seqlens, args.head_dims, tiles, args.tokens, args.sections, args.batches)
     if args.varlen:

@@ -381,14 +381,14 @@ def attention_forward(q, k, v, var: Variants):
     flags = None
     for lo, hi, cfg in classes:
         if cfg == GLUON_ROUTE:
-            block_n, stages, q_bufs = fwd_sm90.TILES[D]
+            block_n, stages, q_bufs, k_apart = fwd_sm90.TILES[D]
             seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                         lengths=(lo, hi)) if var.varlen else {}
             b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq),
                      fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
                      dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
                           Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG,
-                          IS_VARLEN=var.varlen))
+                          IS_VARLEN=var.varlen, K_APART=k_apart))
             continue
         if flags is None:
             heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)

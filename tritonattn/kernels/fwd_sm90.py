@@ -46,9 +46,13 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # persistent grid (thirteenth session; one program per tile had gained nothing): D=64 4 slots
 # (1.04-1.06x the Triton kernel from 4096 without a mask, 1.00-1.02x from 8192 with one; 3 slots
 # 1-2% less); D=256 64-key blocks and 2 slots, all that fits (1.05-1.16x without a mask from 1024,
-# 1.03-1.04x with one from 4096). configs.GLUON_MIN_SEQLEN says from which lengths.
+# 1.03-1.04x with one from 4096). configs.GLUON_MIN_SEQLEN says from which lengths. The fourth entry,
+# K_APART: the K ring's slots released as soon as both S products that read them are done, a step
+# before their V (nineteenth session): at D=256 1.12-1.29x (2 slots: K_{j+1} had waited for step j);
+# at D=128 / 64 (3 / 4 slots) -3..+2% (the llama shape's causal S=8192 -3%, twice), so they keep K
+# and V released together.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
-TILES = {64: (128, 4, 1), 128: (128, 3, 1), 256: (64, 2, 1)}
+TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -169,9 +173,10 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring (block 0 always: the
     consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
-    first K block, into a Q buffer both consumers are done with. The rings are released apart: a K
-    slot as soon as both S products that read it are done, a step before its V slot, so K block
-    j + STAGES - 1 loads while step j runs. Runs into the next tile while the consumers finish this one."""
+    first K block, into a Q buffer both consumers are done with. K_APART: a K slot is released as
+    soon as both S products that read it are done, a step before its V slot, so K block
+    j + STAGES - 1 loads while step j runs (else with its V). Runs into the next tile while the
+    consumers finish this one."""
     HALF: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     J = 0  # K / V blocks loaded so far (all tiles)
@@ -227,11 +232,11 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
                     acc,
                     p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr):
+                    K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
-    rescale; K block j's and V block j-1's slots released. The rings' blocks and the turns count from
-    J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
+    rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The rings' blocks and
+    the turns count from J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
@@ -243,7 +248,10 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - WG))
         s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
-        mbarrier.arrive(k_empty.index(slot))
+        if K_APART:
+            mbarrier.arrive(k_empty.index(slot))
+        else:
+            mbarrier.arrive(k_empty.index(prev))
         mbarrier.arrive(v_empty.index(prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
                                              MASKED, CAUSAL)
@@ -255,10 +263,9 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 @gluon.jit
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
               v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
-              Sq,
-              Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
+              Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -295,18 +302,19 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(J % STAGES))
+            if K_APART:
+                mbarrier.arrive(k_empty.index(J % STAGES))
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, o_layout,
-                                               p_layout)
+                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               o_layout, p_layout)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, o_layout,
-                                               p_layout)
+                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               o_layout, p_layout)
             # every S of the tile is done: its Q buffer can take a later tile's Q
             mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -318,6 +326,8 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             mbarrier.arrive(turn_bars.index(1 - WG))
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(last % STAGES))
+            if not K_APART:
+                mbarrier.arrive(k_empty.index(last % STAGES))
 
             # rows that saw no key: output 0, lse -inf
             seen = l_i > 0.0
@@ -346,7 +356,7 @@ def _fwd_ws_kernel(
     stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False,
+    Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -382,11 +392,11 @@ def _fwd_ws_kernel(
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
