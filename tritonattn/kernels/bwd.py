@@ -150,7 +150,7 @@ def _bwd_dkdv_inner(
         s_t, t_t = scores_log2(qk_t, offs_m[None, :], offs_n[:, None], Sq, Sk, qk_scale, softcap_scale,
                                softcap_log2, slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m,
                                stride_mask_n, win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
-                               HAS_BIAS, MASK_KIND)
+                               HAS_BIAS, MASK_KIND, PRECISION)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if GRADS & 2:
             dp_t = mma(v, tl.trans(do), None, DOT_FP32, PRECISION)
@@ -335,7 +335,7 @@ def _bwd_dq_inner(
         s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                            slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                            win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                           MASK_KIND)
+                           MASK_KIND, PRECISION)
         p = tl.math.exp2(s - lse2[:, None])
         dp = mma(do, tl.trans(v), None, DOT_FP32, PRECISION)
         keep = 0
@@ -471,7 +471,8 @@ def _tile_probs(
     qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
     s, t = scores_log2(qk, offs_m[:, None], offs_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                        slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
-                       win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND)
+                       win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK_KIND,
+                       PRECISION)
     lse2 = _load_lse2(LSE, offs_m, m_ok)
     p = tl.math.exp2(s - lse2[:, None])
     keep = p == p  # all True

@@ -69,14 +69,19 @@ def load_row_pair(a_desc, b_desc, p_a, p_b, stride_a, stride_b, start, offs, mas
 
 
 @triton.jit
-def tanh(x):
+def tanh(x, PRECISE: tl.constexpr):
     # 1 - 2 / (e^{2x} + 1): exact limits +-1 for large |x| (exp2 overflows to inf or underflows to 0),
     # but near 0 it subtracts two numbers near 1: an absolute error of fp32's eps, eps / |x| relative
-    # (the softcap multiplies it by the cap: with cap 50 the fp32 dK was 4.4x torch's error). Below
-    # |x| = 1/4 the odd Taylor series to x^9 instead (relative error under 1e-8 there).
-    x2 = x * x
-    series = x + x * x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0))))
-    return tl.where(tl.abs(x) < 0.25, series, 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0))
+    # (the softcap multiplies it by the cap: with cap 50 the fp32 dK was 4.4x torch's error). PRECISE
+    # (fp32 inputs): below |x| = 1/4 the odd Taylor series to x^9 instead (relative error under 1e-8
+    # there). 16-bit inputs keep the one formula: its error is far below their resolution, and the
+    # series cost the softcap path 15-19% of its speed on the H200 (nineteenth session).
+    t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    if PRECISE:
+        x2 = x * x
+        series = x + x * x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0))))
+        t = tl.where(tl.abs(x) < 0.25, series, t)
+    return t
 
 
 @triton.jit
@@ -120,16 +125,17 @@ def scores_log2(qk, i, j, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                 win_left, win_right,
                 BOUNDS: tl.constexpr, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                MASK_KIND: tl.constexpr):
+                MASK_KIND: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of a tile in the exp2 domain, ``-inf`` where masked, and the softcap's tanh (for the
-    backward; ``qk`` itself when there is no softcap).
+    backward; ``qk`` itself when there is no softcap). PRECISION: the products' (configs.dot_precision);
+    "ieee" (fp32 inputs) takes the precise tanh.
 
     ``qk`` is the raw q . k tile; ``i`` / ``j`` are query / key indices broadcastable to it.
     BOUNDS applies the key-range and window (causal) masks: off for blocks every row sees in full.
     MASK_KIND: 0 none, 1 key-padding vector (one boolean per key), 2 boolean tile.
     """
     if SOFTCAP:
-        t = tanh(qk * softcap_scale)
+        t = tanh(qk * softcap_scale, PRECISION == "ieee")
         s = t * softcap_log2
     else:
         t = qk

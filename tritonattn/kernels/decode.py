@@ -93,7 +93,7 @@ def _decode_split_kernel(
         qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
         s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                            p_k, 0, 0, p_k, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
-                           HAS_ALIBI, False, 0)
+                           HAS_ALIBI, False, 0, PRECISION)
         s = tl.where(cur_n[None, :] < hi, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)

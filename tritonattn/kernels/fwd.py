@@ -91,7 +91,7 @@ def _fwd_inner(
             s, _ = scores_log2(qk, offs_m[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2,
                                slope2, p_bias, stride_bias_m, stride_bias_n, p_mask, stride_mask_m, stride_mask_n,
                                win_left, win_right, BOUNDS, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI, HAS_BIAS,
-                               MASK_KIND)
+                               MASK_KIND, PRECISION)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
