@@ -469,3 +469,34 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
     assert kwargs["SPLIT_DIAG"] == (D == 64) and kwargs["BLOCK_M"] == bwd.bwd_sm90.TILES[D][0], kwargs
     if D == 256:
         assert not kwargs["FUSED_DQ"] and names == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], (kwargs, names)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_forward_launch_by_head_dim(monkeypatch, D, causal):
+    """A dense forward from the Gluon kernel's first length (CPU tensors as if on sm_90; the launch
+    recorded) takes its head dim's tile from fwd_sm90.TILES: key block, slots, Q buffers and K_APART
+    (the K ring released before V: D=256 only, where it was measured to gain), and one length
+    short of it the Triton kernel."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
+    first = configs.GLUON_MIN_SEQLEN["fwd"][D][causal]
+    var = Variants(softmax_scale=D ** -0.5, win_right=0 if causal else None)
+    for S, kernel in ((first, "_fwd_ws_kernel"), (first - 1, "_fwd_kernel")):
+        seen.clear()
+        plan.clear()
+        fwd.attention_forward(*qkv(B=1, Sq=S, Sk=S, D=D), var)
+        assert [name for name, _ in seen] == [kernel], (S, seen)
+    seen.clear()
+    plan.clear()
+    fwd.attention_forward(*qkv(B=1, Sq=first, Sk=first, D=D), var)
+    kwargs = seen[0][1]
+    block_n, stages, q_bufs, k_apart = fwd.fwd_sm90.TILES[D]
+    assert (kwargs["BLOCK_N"], kwargs["STAGES"], kwargs["Q_BUFS"], kwargs["K_APART"]) == (block_n, stages, q_bufs,
+                                                                                       k_apart)
+    assert kwargs["K_APART"] == (D == 256) and kwargs["CAUSAL"] == causal and kwargs["HEAD_DIM"] == D, kwargs
