@@ -317,7 +317,7 @@ SHORT_SEQLEN = 1024
 # 2048, 1.18x / 1.10x at 4096. D=128 remeasured the same way (B=1, 2, 4, 16-32) kept its lengths:
 # causal 0.89-0.97x at 512, 1.04-1.17x at 1024 (S=1536 B=1, 192 pairs on 132 programs: 0.97x);
 # without a mask 0.95x at 512 B=1, 1.11-1.47x at B >= 2, 1.16-1.47x from 1024.
-# D=256 from 512 since its K slots are released apart (fwd_sm90.TILES, nineteenth session; x the
+# D=256 from 512 since its K slots are released apart (fwd_sm90.TILES, twentieth session; x the
 # Triton kernel at S=512, without / with a mask): B=32 1.27x / 1.20x, B=8 1.15x / 1.03x, B=4
 # 1.08x / 1.12x.
 # The dK / dV kernel at D=64 (its tile in bwd_sm90.TILES; eighteenth session, the kernel alone,

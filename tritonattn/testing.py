@@ -118,7 +118,7 @@ def random_qkv(
 # (p * (g - p * g)), while FlashAttention's dS = P (dP - rowsum(dO * O)) subtracts two fp32 dot
 # products and leaves ~1e-5 at D=256 or Sq=129 for gradients of size ~30, and 2.3e-5 on an fp32 dBias
 # of a row with 5 visible keys, gradients of size ~13 (test_combined_variants' fp32 case, whose
-# rows' errors move with the last bits of tanh: benchmarks/NOTES.md, nineteenth session). 2e-6
+# rows' errors move with the last bits of tanh: benchmarks/NOTES.md, twentieth session). 2e-6
 # relative is ~16 fp32 ulps and 500x below fp16's resolution, so no real error hides under it.
 REL_FLOOR = 2e-6
 

@@ -75,7 +75,7 @@ def tanh(x, PRECISE: tl.constexpr):
     # (the softcap multiplies it by the cap: with cap 50 the fp32 dK was 4.4x torch's error). PRECISE
     # (fp32 inputs): below |x| = 1/4 the odd Taylor series to x^9 instead (relative error under 1e-8
     # there). 16-bit inputs keep the one formula: its error is far below their resolution, and the
-    # series cost the softcap path 15-19% of its speed on the H200 (nineteenth session).
+    # series cost the softcap path 15-19% of its speed on the H200 (twentieth session).
     t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
     if PRECISE:
         x2 = x * x

@@ -48,7 +48,7 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # 1-2% less); D=256 64-key blocks and 2 slots, all that fits (1.05-1.16x without a mask from 1024,
 # 1.03-1.04x with one from 4096). configs.GLUON_MIN_SEQLEN says from which lengths. The fourth entry,
 # K_APART: the K ring's slots released as soon as both S products that read them are done, a step
-# before their V (nineteenth session): at D=256 1.12-1.29x (2 slots: K_{j+1} had waited for step j);
+# before their V (twentieth session): at D=256 1.12-1.29x (2 slots: K_{j+1} had waited for step j);
 # at D=128 / 64 (3 / 4 slots) -3..+2% (the llama shape's causal S=8192 -3%, twice), so they keep K
 # and V released together.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
