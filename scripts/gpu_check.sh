@@ -23,7 +23,9 @@
 #   PYTEST_WORKERS=12                    xdist workers per group (default 3/4 of the cores / groups)
 #   TRITONATTN_COMMIT=abc1234            the commit recorded with the results: give it literally, from this
 #                                        machine's git (`$(git rev-parse ...)` run on the device read an
-#                                        older commit there on 2026-12-02)
+#                                        older commit there on 2026-12-02); the bench also records a hash of
+#                                        the package's sources (tritonattn.bench.runner.source_hash), which
+#                                        names the code that ran whatever git says
 # With two or more GPUs the tests run on the last one, in the background, while the main job,
 # extras, bench and tune run on GPU 0, so one call does both.
 set -uo pipefail

@@ -1,6 +1,7 @@
 """The benchmark harness and the main job run end to end (under the interpreter on CPU)."""
 
 import csv
+import os
 
 import torch
 from conftest import DEVICE
@@ -37,7 +38,7 @@ def test_tiny_grid_end_to_end(tmp_path, capsys):
     for r in rows:
         assert r["backend"] == "tritonattn" and float(r["ms"]) > 0 and float(r["tflops"]) > 0
         assert float(r["max_err"]) < 1e-2
-        for key in ("gpu", "torch", "triton", "commit", "shape", "mode", "peak_mem_gb"):
+        for key in ("gpu", "torch", "triton", "commit", "source", "shape", "mode", "peak_mem_gb"):
             assert key in r
     assert "| B1-H2/1-S40-D64-causal-fp16 | bwd |" in capsys.readouterr().out
 
@@ -120,3 +121,21 @@ def test_tuner_calls_and_error_check():
     fn, grads, _ = tune.make_call("bwd_dq", 1, 33, 2, 1, 16, False, torch.float16, varlen=True, device=DEVICE)
     fn()
     assert all(t.grad is not None for t in grads)
+
+
+def test_source_hash_names_the_code(tmp_path, monkeypatch):
+    """The sources' hash recorded with every row: the same for the same files, another when a file
+    of the package changes (the bench's module path is redirected to a copy of the package)."""
+    import shutil
+
+    from tritonattn.bench import runner
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(runner.__file__)))
+    copy = tmp_path / "tritonattn"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(runner, "__file__", str(copy / "bench" / "runner.py"))
+    first = runner.source_hash()
+    assert first == runner.source_hash() and len(first) == 10
+    with open(copy / "kernels" / "common.py", "a") as f:
+        f.write("# a change\n")
+    assert runner.source_hash() != first

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
                                                                     args.head_dims)]
     env = environment()
     print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | cuDNN {env['cudnn']} | "
-          f"commit {env['commit']} | {datetime.date.today()}", flush=True)
+          f"commit {env['commit']} | source {env['source']} | {datetime.date.today()}", flush=True)
     out = args.out or os.path.join("benchmarks", "results", str(datetime.date.today()))
     os.makedirs(out, exist_ok=True)
     rows = []

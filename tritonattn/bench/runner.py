@@ -7,6 +7,8 @@ warm-up, on random inputs.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import math
 import os
 import subprocess
@@ -77,15 +79,36 @@ class Shape:
         return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
 
 
+def source_hash() -> str:
+    """The first 10 hex digits of a SHA-256 over the package's Python sources (paths and contents):
+    names the code that ran even where the commit cannot (a copy of a working tree whose .git is
+    stale or absent: on 2026-12-02 a GPU copy's git named a commit two behind the code it ran)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:10]
+
+
+def _git_commit() -> str:
+    """HEAD of the package's checkout, ``+changes`` when the package differs from it."""
+    cwd = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=cwd,
+                              check=False).stdout.strip()
+        if not head:
+            return "unknown"
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".."], cwd=cwd, check=False).returncode == 0
+        return head if clean else head + "+changes"
+    except OSError:
+        return "unknown"
+
+
 def environment() -> dict:
-    """GPU, library versions and git commit, recorded with every row."""
-    commit = os.environ.get("TRITONATTN_COMMIT")  # set by scripts/gpu_check.sh: the device copy has no .git
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    check=False).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
+    """GPU, library versions, git commit and the sources' hash, recorded with every row."""
+    commit = os.environ.get("TRITONATTN_COMMIT") or _git_commit()  # TRITONATTN_COMMIT: scripts/gpu_check.sh's
     import triton
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -95,6 +118,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "cudnn": str(cudnn),
         "commit": commit,
+        "source": source_hash(),
     }
 
 
