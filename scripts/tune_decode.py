@@ -8,7 +8,10 @@ the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).
 
-    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl]
+``--merge`` also times each multi-split candidate with the combine kernel instead of the split
+kernel's own merge (TRITONATTN_DECODE_MERGE=0), ``--default-tile`` only the table's tile.
+
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl] [--merge]
 """
 
 from __future__ import annotations
@@ -45,8 +48,12 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true",
                    help="also time each split candidate with the combine kernel launched through programmatic "
                         "dependent launch (TRITONATTN_DECODE_PDL)")
+    p.add_argument("--merge", action="store_true",
+                   help="also time each multi-split candidate with the combine kernel (TRITONATTN_DECODE_MERGE=0)")
+    p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
+    p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
     args = p.parse_args(argv)
-    pdl_default = decode.PDL
+    pdl_default, merge_default = decode.PDL, decode.MERGE
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -55,6 +62,12 @@ def main(argv=None) -> int:
 
     Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
     rows = []
+    if args.cuda_graphs:  # the floor: a replay of one / two one-element kernels, timed the same way
+        x = torch.zeros(1, device="cuda")
+        for n in (1, 2):
+            ms = timed(lambda: [x.add_(1) for _ in range(n)])
+            rows.append(dict(B=0, L=0, config=f"floor: {n} tiny kernel(s)", splits="", ms=ms, gbps=0.0))
+            print(f"floor, a graph of {n} one-element kernel(s): {ms * 1e3:.2f} us")
     print("| B | L | config | splits | ms | GB/s | x cuDNN |\n|---|---|---|---|---|---|---|")
     for B in args.batches:
         for L in args.lengths:
@@ -79,10 +92,16 @@ def main(argv=None) -> int:
                 rows.append(dict(B=B, L=L, config=f"sdpa-{name}", splits="", ms=ms, gbps=gbytes / ms * 1e3))
                 print(f"| {B} | {L} | sdpa-{name} | | {ms:.4f} | {gbytes / ms * 1e3:.0f} | {ref / ms:.2f} |",
                       flush=True)
-            for cfg in CANDIDATES:
-                for splits in sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    for pdl in ((False, True) if args.pdl and splits > 1 else (False,)):
-                        decode.PDL = pdl
+            tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
+            for cfg in tiles:
+                for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
+                    ways = [(False, merge_default)]
+                    if splits > 1 and args.pdl:
+                        ways.append((True, False))
+                    if splits > 1 and args.merge:
+                        ways.append((False, not merge_default))
+                    for pdl, merge in ways:
+                        decode.PDL, decode.MERGE = pdl, merge
                         with configs.override(decode=cfg):
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
@@ -91,12 +110,14 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "") + (
+                            "" if splits == 1 or pdl else (" merge" if merge else " combine"))
                         rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
+                        mark = (" (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl
+                                and merge == merge_default else "")
                         print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
                               f"{ref / ms:.2f} |", flush=True)
-                    decode.PDL = pdl_default
+                    decode.PDL, decode.MERGE = pdl_default, merge_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = "tune-decode-cuda-graphs.csv" if args.cuda_graphs else "tune-decode.csv"

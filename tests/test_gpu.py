@@ -989,6 +989,43 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
             assert torch.equal(out_g, ref)
 
 
+def test_decode_merge_on_gpu(monkeypatch, poison):
+    """The splits merged by their last program (the default): on the GPU the last one differs from
+    run to run, the result must not. 30 reruns bitwise equal, and bitwise what the combine kernel
+    (TRITONATTN_DECODE_MERGE=0) gives; against the reference; every arrival counter back at 0; and
+    as CUDA-graph replays whose capture made the counters of its stream (torch.cuda.graph's own
+    capture stream, not warmed up), 20 replays with new queries against eager calls."""
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.kernels import decode, plan
+
+    torch.manual_seed(21)
+    for B, cap, splits in ((1, 4096, 16), (4, 1000, 4), (2, 8192, 100)):
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=BF16)
+        kc, vc = (torch.randn(B, cap, 8, 128, device="cuda", dtype=BF16) for _ in range(2))
+        lens = torch.randint(1, cap + 1, (B,), dtype=torch.int32, device="cuda")
+        lens[0] = cap
+        monkeypatch.setattr(decode, "MERGE", False)
+        plan.clear()
+        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
+        monkeypatch.setattr(decode, "MERGE", True)
+        for _ in range(30):
+            res = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
+            assert torch.equal(res[0], ref[0]) and torch.equal(res[1], ref[1]), (B, cap, splits)
+        torch.cuda.synchronize()
+        assert all(not t.any() for t in decode._counters.values())
+        check_against_reference(q[:1], kc[:1], vc[:1], res[0][:1], res[1][:1], None, None, False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+        for _ in range(20):
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            eager = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+            torch.cuda.synchronize()
+            assert torch.equal(out_g, eager)
+        assert all(not t.any() for t in decode._counters.values())
+
+
 def test_training_step_in_a_cuda_graph(poison):
     """Forward and backward captured in one CUDA graph (what takes host time out of short eager
     calls): replays with new inputs give bitwise what eager calls give."""

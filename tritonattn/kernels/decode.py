@@ -4,9 +4,12 @@ Decoding is memory-bound: what counts is reading each K/V tile once. So one prog
 (split of the keys, batch row, kv head) and packs every query of the kv head's GQA group (group
 size x seqlen_q rows) into its query tile: each K/V tile is read once per kv head, not once per
 query head. Splits along the keys give the grid enough programs to fill the GPU at small batch;
-a combine kernel merges the splits by their log-sum-exp. With a single split the program writes
-the output itself (no partial buffers, no combine launch). The score math (softcap, ALiBi, window /
-causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
+the splits are merged by their log-sum-exp, by the last program of a (batch row, kv head) to finish
+(counted on an arrival counter; in split order, so the result does not depend on which one is
+last), or with TRITONATTN_DECODE_MERGE=0 by a combine kernel doing the same arithmetic. With a
+single split the program writes the output itself (no partial buffers, nothing to merge). The
+score math (softcap, ALiBi, window / causal masks) and the paged-cache addressing are the shared
+helpers of the forward kernel.
 """
 
 import torch
@@ -24,7 +27,7 @@ from tritonattn.kernels.variants import Variants
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART,
+    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, n_splits,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -36,13 +39,17 @@ def _decode_split_kernel(
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, MERGE: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
     DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
     with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). PDL (sm_90, programmatic dependent
-    launch): the combine kernel may be launched at once, to wait on the device for this grid."""
+    launch): the combine kernel may be launched at once, to wait on the device for this grid.
+    MERGE (no combine kernel): the program that finishes last among the ``n_splits`` of its (batch
+    row, kv head), counted on COUNTER[batch row x kv head], merges their partials into O (strides
+    ``stride_o*``) and LSE, in split order (the same result whichever program is last), and puts
+    the counter back to 0 for the next launch."""
     if PDL:
         gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
@@ -118,39 +125,66 @@ def _decode_split_kernel(
                  acc.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     else:
         tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+    if MERGE:
+        # every thread's partial stores come before the arrival (released with it, at GPU scope)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(COUNTER + bhk, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:  # the last of the splits: every partial is written and visible
+            tl.atomic_xchg(COUNTER + bhk, 0, sem="relaxed", scope="gpu")
+            _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, (n_bhk // Hkv) * Hq * Sq, off_b, head, qi, r_ok,
+                        Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, offs_d, d_ok, HEAD_DIM, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, head, qi, r_ok, Hq, Sq,
+                stride_ob, stride_om, stride_oh, stride_od, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s, for the query rows (head, qi)
+    of batch row ``off_b``, summed in split order. Partials read from L2 (``.cg``): other SMs
+    wrote them."""
+    row = (off_b * Hq + head) * Sq + qi
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(LSE_PART + s * rows_per_split + row, mask=r_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp(tl.load(LSE_PART + s * rows_per_split + row, mask=r_ok, other=float("-inf"),
+                           cache_modifier=".cg") - m_sub)
+        o_s = tl.load(O_PART + (s * rows_per_split + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=r_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        acc += o_s * w[:, None]
+        total += w
+    seen = total > 0.0
+    t_safe = tl.where(seen, total, 1.0)
+    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t_safe), float("-inf")), mask=r_ok)
+    tl.store(O + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh + qi[:, None].to(tl.int64) * stride_om
+             + offs_d[None, :] * stride_od, (acc / t_safe[:, None]).to(O.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Sq,
+    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Hkv, GROUP, Sq,
     stride_ob, stride_om, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row.
-    PDL: launched before the split kernel ended; ``gdc_wait`` holds it until that grid has completed
-    and its writes are visible."""
+    """The splits merged (``_merge_rows``, as the split kernel's MERGE does: the same arithmetic,
+    the same bits) by a kernel of its own, one program per (batch row, kv head) and its GROUP x Sq
+    query rows: with TRITONATTN_DECODE_MERGE=0 or PDL. PDL: launched before the split kernel ended;
+    ``gdc_wait`` holds it until that grid has completed and its writes are visible."""
     if PDL:
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
-    off_b = row // (Hq * Sq)
-    off_h = (row // Sq) % Hq
-    off_i = row % Sq
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_splits
-    lse_s = tl.load(LSE_PART + offs_s * rows_per_split + row, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_sub)
-    total = tl.sum(w, 0)
+    bhk = tl.program_id(0).to(tl.int64)
+    off_b = bhk // Hkv
+    offs_r = tl.arange(0, BLOCK_M)
+    head = (bhk % Hkv) * GROUP + offs_r // Sq
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    o_s = tl.load(O_PART + (offs_s[:, None] * rows_per_split + row) * HEAD_DIM + offs_d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    seen = total > 0.0
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
-    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
-    tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_d * stride_od,
-             out.to(O.dtype.element_ty), mask=d_ok)
+    _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, head, offs_r % Sq, offs_r < GROUP * Sq,
+                Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, offs_d, offs_d < HEAD_DIM, HEAD_DIM, BLOCK_M,
+                BLOCK_D)
 
 
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
@@ -171,8 +205,9 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     """Split-KV attention of q (B, Sq, Hq, D) over the cache described by ``var`` (kv_lens, leftpad,
     batch index, block table). k / v as the forward kernel takes them. Returns (out, lse)."""
     inputs = (q, k, v, *var.tensors())
+    stream = _stream_id(q.device) if MERGE else None  # the merge's counters are per stream
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, PDL)
+           var.signature(), capacity, num_splits, PDL, stream)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call (every step of a decoding loop): replayed
         return res
@@ -187,6 +222,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     block_m = max(16, next_pow2(group * Sq))
     direct = splits == 1  # one split: the kernel writes out / lse itself
     pdl = PDL and not direct and _pdl_ok(q)
+    merge = MERGE and not direct and not pdl
+    counter = b.fixed(_arrival_counters(q.device, stream, B * Hkv)) if merge else None
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
@@ -195,7 +232,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     cache = var.cache_args(q)
     wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
     b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
-        q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
+        q, k, v, o_part, lse_part, out, lse, counter, splits, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
     ), dict(
@@ -205,16 +242,45 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
+        MERGE=merge,
     ))
-    if direct:
+    if direct or merge:
         return b.finish((out, lse))
-    b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
-        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
+    b.launch(_decode_combine_kernel, (B * Hkv,), (
+        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Hkv, group, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)), PDL=pdl,
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
+
+
+# The splits merged by the last of them (MERGE): arrival counters, int32, one per (batch row, kv
+# head), kept per (device, stream). Every launch leaves them at 0, so they are zeroed only when made.
+# A stream's launches run one after another, so two launches never count on the same counters at
+# once. A CUDA graph keeps the counters of the stream it was captured on (made during its capture,
+# they are zeroed at the start of each of its replays): graphs captured on one stream and replayed
+# at the same time on two streams would share them; capture such graphs on streams of their own,
+# or set TRITONATTN_DECODE_MERGE=0.
+_counters: dict = {}
+
+
+def _stream_id(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _arrival_counters(device, stream: int, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed arrival counters for the launches on ``stream``."""
+    key = (device, stream)
+    t = _counters.get(key)
+    if t is None or t.numel() < n:
+        # earlier, smaller counters stay alive in the launch plans that hold them
+        t = _counters[key] = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32, device=device)
+    return t
+
+
+# TRITONATTN_DECODE_MERGE=0: the combine kernel merges the splits (as before the twenty-first session)
+MERGE = configs.env_flag("TRITONATTN_DECODE_MERGE", True)
 
 
 # The combine kernel through programmatic dependent launch (sm_90): it is launched while the split
