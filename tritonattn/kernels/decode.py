@@ -39,7 +39,7 @@ def _decode_split_kernel(
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr,
+    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
@@ -131,45 +131,56 @@ def _decode_split_kernel(
         arrived = tl.atomic_add(COUNTER + bhk, 1, sem="acq_rel", scope="gpu")
         if arrived == n_splits - 1:  # the last of the splits: every partial is written and visible
             tl.atomic_xchg(COUNTER + bhk, 0, sem="relaxed", scope="gpu")
-            _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, (n_bhk // Hkv) * Hq * Sq, off_b, head, qi, r_ok,
-                        Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, offs_d, d_ok, HEAD_DIM, BLOCK_M, BLOCK_D)
+            _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, (n_bhk // Hkv) * Hq * Sq, off_b, off_hk, GROUP,
+                        Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM, BLOCK_D, BLOCK_R, BLOCK_S,
+                        CHUNK_S)
 
 
 @triton.jit
-def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, head, qi, r_ok, Hq, Sq,
-                stride_ob, stride_om, stride_oh, stride_od, offs_d, d_ok, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s, for the query rows (head, qi)
-    of batch row ``off_b``, summed in split order. Partials read from L2 (``.cg``): other SMs
-    wrote them."""
+def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, off_hk, GROUP, Hq, Sq,
+                stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s, for the GROUP x Sq query rows of
+    (batch row ``off_b``, kv head ``off_hk``). Few round trips: every split's lse in one load
+    (BLOCK_S >= n_splits), the partial outputs CHUNK_S splits at a time, summed in a fixed order (the
+    same bits in any program and in both kernels that call this). Partials read from L2 (``.cg``):
+    other SMs wrote them."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < GROUP * Sq
+    head = off_hk * GROUP + offs_r // Sq
+    qi = offs_r % Sq
     row = (off_b * Hq + head) * Sq + qi
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(LSE_PART + s * rows_per_split + row, mask=r_ok, other=float("-inf"),
-                                  cache_modifier=".cg"))
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(LSE_PART + offs_s[:, None] * rows_per_split + row[None, :],
+                    mask=(offs_s[:, None] < n_splits) & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse_s, 0)
     m_sub = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp(tl.load(LSE_PART + s * rows_per_split + row, mask=r_ok, other=float("-inf"),
-                           cache_modifier=".cg") - m_sub)
-        o_s = tl.load(O_PART + (s * rows_per_split + row)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=r_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += o_s * w[:, None]
-        total += w
+    total = tl.sum(tl.exp(lse_s - m_sub[None, :]), 0)
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    rd_ok = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, CHUNK_S):
+        s = s0 + offs_c
+        ok = (s < n_splits)[:, None] & r_ok[None, :]
+        at = s[:, None] * rows_per_split + row[None, :]  # (CHUNK_S, BLOCK_R)
+        w = tl.exp(tl.load(LSE_PART + at, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_sub[None, :])
+        o_s = tl.load(O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=(s < n_splits)[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(o_s * w[:, :, None], 0)
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
     tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t_safe), float("-inf")), mask=r_ok)
     tl.store(O + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh + qi[:, None].to(tl.int64) * stride_om
-             + offs_d[None, :] * stride_od, (acc / t_safe[:, None]).to(O.dtype.element_ty),
-             mask=r_ok[:, None] & d_ok[None, :])
+             + offs_d[None, :] * stride_od, (acc / t_safe[:, None]).to(O.dtype.element_ty), mask=rd_ok)
 
 
 @triton.jit
 def _decode_combine_kernel(
     O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Hkv, GROUP, Sq,
     stride_ob, stride_om, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """The splits merged (``_merge_rows``, as the split kernel's MERGE does: the same arithmetic,
     the same bits) by a kernel of its own, one program per (batch row, kv head) and its GROUP x Sq
@@ -178,13 +189,16 @@ def _decode_combine_kernel(
     if PDL:
         gdc_wait()
     bhk = tl.program_id(0).to(tl.int64)
-    off_b = bhk // Hkv
-    offs_r = tl.arange(0, BLOCK_M)
-    head = (bhk % Hkv) * GROUP + offs_r // Sq
-    offs_d = tl.arange(0, BLOCK_D)
-    _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, head, offs_r % Sq, offs_r < GROUP * Sq,
-                Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, offs_d, offs_d < HEAD_DIM, HEAD_DIM, BLOCK_M,
-                BLOCK_D)
+    _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, bhk // Hkv, bhk % Hkv, GROUP, Hq, Sq,
+                stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM, BLOCK_D, BLOCK_R, BLOCK_S, CHUNK_S)
+
+
+def _merge_tiles(rows: int, splits: int, block_d: int) -> dict:
+    """The merge's tiles: rows (GROUP x Sq) and splits padded to powers of two, partial outputs read
+    at most 8192 elements (64 registers a thread at 4 warps) at a time."""
+    block_r = max(2, next_pow2(rows))
+    block_s = max(2, next_pow2(splits))
+    return dict(BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, 8192 // (block_r * block_d))))
 
 
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
@@ -224,6 +238,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     pdl = PDL and not direct and _pdl_ok(q)
     merge = MERGE and not direct and not pdl
     counter = b.fixed(_arrival_counters(q.device, stream, B * Hkv)) if merge else None
+    merge_tiles = _merge_tiles(group * Sq, splits, configs.padded_head_dim(D))
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
@@ -242,14 +257,14 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
-        MERGE=merge,
+        MERGE=merge, **(merge_tiles if merge else dict(BLOCK_R=2, BLOCK_S=2, CHUNK_S=1)),  # (unused unmerged)
     ))
     if direct or merge:
         return b.finish((out, lse))
     b.launch(_decode_combine_kernel, (B * Hkv,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Hkv, group, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, PDL=pdl,
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), PDL=pdl, **merge_tiles,
         **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
