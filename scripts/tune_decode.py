@@ -36,8 +36,27 @@ CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), 
               C(0, 32, 4, 4), C(0, 256, 8, 2)]
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+def bench(fn, flush: str = "write") -> float:
+    """Median ms of ``fn`` with the L2 flushed before each call: "write" as ``triton.testing.do_bench``
+    (256 MB zeroed: the L2 is left full of dirty lines, which a short read must write back as it
+    evicts them), "read" (256 MB summed: the L2 left full of clean lines, as after a layer's weight
+    reads)."""
+    if flush == "write":
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    buf = torch.ones(64 * 2**20, device="cuda")
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(60):
+        buf.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    ms = sorted(a.elapsed_time(b) for a, b in times)
+    return ms[len(ms) // 2]
 
 
 def main(argv=None) -> int:
@@ -52,13 +71,15 @@ def main(argv=None) -> int:
                    help="also time each multi-split candidate with the combine kernel (TRITONATTN_DECODE_MERGE=0)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
+    p.add_argument("--flush", choices=["write", "read"], default="write",
+                   help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
     pdl_default, merge_default = decode.PDL, decode.MERGE
 
     def timed(fn) -> float:
         if args.cuda_graphs:
             fn = _graphed(fn)
-        return bench(fn)
+        return bench(fn, args.flush)
 
     Hq, Hkv, D, dt = 32, 8, 128, torch.bfloat16
     rows = []
@@ -120,7 +141,8 @@ def main(argv=None) -> int:
                     decode.PDL, decode.MERGE = pdl_default, merge_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
-    name = "tune-decode-cuda-graphs.csv" if args.cuda_graphs else "tune-decode.csv"
+    name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (
+        "-read-flush.csv" if args.flush == "read" else ".csv")
     path = os.path.join(os.environ.get("OUT", "."), name)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
