@@ -8,8 +8,8 @@ the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).
 
-``--merge`` also times each multi-split candidate with the combine kernel instead of the split
-kernel's own merge (TRITONATTN_DECODE_MERGE=0), ``--default-tile`` only the table's tile.
+``--merge`` also times each multi-split candidate merged the other way (the combine kernel or the
+split kernel's own merge, TRITONATTN_DECODE_MERGE), ``--default-tile`` only the table's tile.
 
     python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl] [--merge]
 """
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                    help="also time each split candidate with the combine kernel launched through programmatic "
                         "dependent launch (TRITONATTN_DECODE_PDL)")
     p.add_argument("--merge", action="store_true",
-                   help="also time each multi-split candidate with the combine kernel (TRITONATTN_DECODE_MERGE=0)")
+                   help="also time each multi-split candidate merged the other way (TRITONATTN_DECODE_MERGE)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
     p.add_argument("--flush", choices=["write", "read"], default="write",

@@ -201,8 +201,9 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
 
 def test_which_kernel_decodes(monkeypatch):
     """A few query rows per kv head (seqlen_q x group <= 64) take the decoding kernel: with one split
-    it writes the output itself; with more, its programs merge the splits (no combine launch), or
-    with TRITONATTN_DECODE_MERGE=0 a combine kernel does. More rows take the forward kernel whatever
+    it writes the output itself; with more, a combine kernel merges the splits, or with
+    TRITONATTN_DECODE_MERGE=1 the split kernel's programs do (no combine launch). More rows take the
+    forward kernel whatever
     num_splits says (a hint there: the decoding kernel's tile holds every row, so 4 x 32 rows would
     not fit), with the same result for every num_splits."""
     from tritonattn.kernels import fwd, launch, plan
@@ -238,11 +239,11 @@ def test_which_kernel_decodes(monkeypatch):
 
 
 def test_splits_merged_by_their_last_program(monkeypatch, poison):
-    """The split kernel's programs merge the splits (MERGE, the default): the last of a (batch row,
-    kv head) to arrive does it. Its out / lse are bitwise what the combine kernel gives (the same
-    arithmetic in the same order) for 2 to 33 splits, ragged and empty cache rows, GQA with several
-    query rows; the arrival counters are all back at 0 after each call (the next call counts from
-    there), also after a replayed launch plan; the plan holds the counters, not a copy."""
+    """TRITONATTN_DECODE_MERGE=1: the split kernel's programs merge the splits, the last of a (batch
+    row, kv head) to arrive does it. For 2 to 10 splits (10: partial outputs read in chunks), ragged
+    and empty cache rows, GQA with several query rows: out / lse equal the combine kernel's to
+    rounding and the reference's; a replayed launch plan gives them bitwise again; the arrival
+    counters are all back at 0 after each call (the next call counts from there)."""
     from tritonattn.kernels import decode, plan
 
     torch.manual_seed(9)
@@ -250,22 +251,30 @@ def test_splits_merged_by_their_last_program(monkeypatch, poison):
     q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
     kc, vc = _cache(B, S, Hkv, D)
     lens = torch.tensor([0, 7, 291], dtype=torch.int32, device=DEVICE)
-    for splits in (2, 5, 33):
+    for splits, chunk in ((2, decode.MERGE_CHUNK), (5, decode.MERGE_CHUNK), (33, 3 * 8 * 64)):
+        # 33: 10 splits of 32 keys, read 2 at a time (3 x 8 rows x 64 dims -> a power of two)
+        monkeypatch.setattr(decode, "MERGE_CHUNK", chunk)
+        plan.clear()
         res = {}
         for merge in (False, True, True):  # the second merged call replays the plan
             monkeypatch.setattr(decode, "MERGE", merge)
             if merge and merge in res:
-                hits = plan.hits
+                hits, first = plan.hits, res[True]
             res[merge] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=splits,
                                                  return_softmax_lse=True)
         assert plan.hits == hits + 1
-        assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1]), splits
+        assert torch.equal(res[True][0], first[0]) and torch.equal(res[True][1], first[1]), splits
+        assert (res[True][0].float() - res[False][0].float()).abs().max().item() <= 1e-3, splits
+        fin = torch.isfinite(res[False][1])
+        assert torch.equal(fin, torch.isfinite(res[True][1]))
+        assert (res[True][1][fin] - res[False][1][fin]).abs().max().item() <= 1e-5, splits
         for t in decode._counters.values():
             assert not t.any(), splits
         check_against_reference(q[2:], kc[2:, :291], vc[2:, :291], res[True][0][2:], res[True][1][2:], None, None,
                                 True)
     assert torch.equal(res[True][0][0], torch.zeros_like(res[True][0][0]))
     # the counting is live: a counter left at 1 makes the (batch row 2, kv head 0) merge one split early
+    monkeypatch.setattr(decode, "MERGE", True)
     good = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=5)
     counters = decode._counters[(q.device, decode._stream_id(q.device))]
     counters[2 * Hkv] = 1

@@ -4,12 +4,12 @@ Decoding is memory-bound: what counts is reading each K/V tile once. So one prog
 (split of the keys, batch row, kv head) and packs every query of the kv head's GQA group (group
 size x seqlen_q rows) into its query tile: each K/V tile is read once per kv head, not once per
 query head. Splits along the keys give the grid enough programs to fill the GPU at small batch;
-the splits are merged by their log-sum-exp, by the last program of a (batch row, kv head) to finish
-(counted on an arrival counter; in split order, so the result does not depend on which one is
-last), or with TRITONATTN_DECODE_MERGE=0 by a combine kernel doing the same arithmetic. With a
-single split the program writes the output itself (no partial buffers, nothing to merge). The
-score math (softcap, ALiBi, window / causal masks) and the paged-cache addressing are the shared
-helpers of the forward kernel.
+a combine kernel merges the splits by their log-sum-exp, one program per query row; with
+TRITONATTN_DECODE_MERGE=1 the last program of a (batch row, kv head) to finish does it instead
+(counted on an arrival counter; in a fixed order, so the result does not depend on which one is
+last). With a single split the program writes the output itself (no partial buffers, nothing to
+merge). The score math (softcap, ALiBi, window / causal masks) and the paged-cache addressing are
+the shared helpers of the forward kernel.
 """
 
 import torch
@@ -141,33 +141,41 @@ def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, off_h
                 stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
     """out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s, for the GROUP x Sq query rows of
-    (batch row ``off_b``, kv head ``off_hk``). Few round trips: every split's lse in one load
-    (BLOCK_S >= n_splits), the partial outputs CHUNK_S splits at a time, summed in a fixed order (the
-    same bits in any program and in both kernels that call this). Partials read from L2 (``.cg``):
-    other SMs wrote them."""
+    (batch row ``off_b``, kv head ``off_hk``), summed in a fixed order (the same bits whichever
+    program runs it). One round trip where the partial outputs fit 8192 elements (CHUNK_S ==
+    BLOCK_S: every split's lse and output loaded together), else one more per CHUNK_S splits.
+    Partials read from L2 (``.cg``): other SMs wrote them."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < GROUP * Sq
     head = off_hk * GROUP + offs_r // Sq
     qi = offs_r % Sq
     row = (off_b * Hq + head) * Sq + qi
     offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(LSE_PART + offs_s[:, None] * rows_per_split + row[None, :],
-                    mask=(offs_s[:, None] < n_splits) & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse_s, 0)
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_sub[None, :]), 0)
-    offs_c = tl.arange(0, CHUNK_S)
+    s_ok = offs_s < n_splits
     offs_d = tl.arange(0, BLOCK_D)
     rd_ok = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s0 in range(0, n_splits, CHUNK_S):
-        s = s0 + offs_c
-        ok = (s < n_splits)[:, None] & r_ok[None, :]
-        at = s[:, None] * rows_per_split + row[None, :]  # (CHUNK_S, BLOCK_R)
-        w = tl.exp(tl.load(LSE_PART + at, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_sub[None, :])
-        o_s = tl.load(O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=(s < n_splits)[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o_s * w[:, :, None], 0)
+    at = offs_s[:, None] * rows_per_split + row[None, :]  # (BLOCK_S, BLOCK_R)
+    lse_s = tl.load(LSE_PART + at, mask=s_ok[:, None] & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+    if CHUNK_S == BLOCK_S:  # every partial output in the same round trip as the lse
+        o_all = tl.load(O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                        mask=s_ok[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w_all = tl.exp(lse_s - m_sub[None, :])
+    total = tl.sum(w_all, 0)
+    if CHUNK_S == BLOCK_S:
+        acc = tl.sum(o_all * w_all[:, :, None], 0)
+    else:  # CHUNK_S splits at a time (a second round trip per chunk)
+        offs_c = tl.arange(0, CHUNK_S)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for s0 in range(0, n_splits, CHUNK_S):
+            s = s0 + offs_c
+            ok = (s < n_splits)[:, None] & r_ok[None, :]
+            at_c = s[:, None] * rows_per_split + row[None, :]
+            w = tl.exp(tl.load(LSE_PART + at_c, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_sub[None, :])
+            o_s = tl.load(O_PART + at_c[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                          mask=(s < n_splits)[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(o_s * w[:, :, None], 0)
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
     tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t_safe), float("-inf")), mask=r_ok)
@@ -177,28 +185,47 @@ def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, off_h
 
 @triton.jit
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Hkv, GROUP, Sq,
+    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Sq,
     stride_ob, stride_om, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-    CHUNK_S: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The splits merged (``_merge_rows``, as the split kernel's MERGE does: the same arithmetic,
-    the same bits) by a kernel of its own, one program per (batch row, kv head) and its GROUP x Sq
-    query rows: with TRITONATTN_DECODE_MERGE=0 or PDL. PDL: launched before the split kernel ended;
-    ``gdc_wait`` holds it until that grid has completed and its writes are visible."""
+    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row
+    (the default merge: TRITONATTN_DECODE_MERGE off, or PDL). PDL: launched before the split kernel
+    ended; ``gdc_wait`` holds it until that grid has completed and its writes are visible."""
     if PDL:
         gdc_wait()
-    bhk = tl.program_id(0).to(tl.int64)
-    _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, bhk // Hkv, bhk % Hkv, GROUP, Hq, Sq,
-                stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM, BLOCK_D, BLOCK_R, BLOCK_S, CHUNK_S)
+    row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
+    off_b = row // (Hq * Sq)
+    off_h = (row // Sq) % Hq
+    off_i = row % Sq
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_splits
+    lse_s = tl.load(LSE_PART + offs_s * rows_per_split + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_sub)
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    o_s = tl.load(O_PART + (offs_s[:, None] * rows_per_split + row) * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    seen = total > 0.0
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
+    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=d_ok)
+
+
+MERGE_CHUNK = 8192  # partial-output elements the merge loads at a time (64 registers a thread at 4 warps)
 
 
 def _merge_tiles(rows: int, splits: int, block_d: int) -> dict:
     """The merge's tiles: rows (GROUP x Sq) and splits padded to powers of two, partial outputs read
-    at most 8192 elements (64 registers a thread at 4 warps) at a time."""
+    at most MERGE_CHUNK elements at a time."""
     block_r = max(2, next_pow2(rows))
     block_s = max(2, next_pow2(splits))
-    return dict(BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, 8192 // (block_r * block_d))))
+    chunk = max(1, min(block_s, MERGE_CHUNK // (block_r * block_d)))
+    return dict(BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_S=1 << (chunk.bit_length() - 1))  # a power of two
 
 
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
@@ -238,7 +265,6 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     pdl = PDL and not direct and _pdl_ok(q)
     merge = MERGE and not direct and not pdl
     counter = b.fixed(_arrival_counters(q.device, stream, B * Hkv)) if merge else None
-    merge_tiles = _merge_tiles(group * Sq, splits, configs.padded_head_dim(D))
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
@@ -257,14 +283,15 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
-        MERGE=merge, **(merge_tiles if merge else dict(BLOCK_R=2, BLOCK_S=2, CHUNK_S=1)),  # (unused unmerged)
+        MERGE=merge, **_merge_tiles(group * Sq if merge else 1, splits if merge else 1, configs.padded_head_dim(D)),
+        # (fixed unused tiles unmerged: no compiled variant per split count)
     ))
     if direct or merge:
         return b.finish((out, lse))
-    b.launch(_decode_combine_kernel, (B * Hkv,), (
-        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Hkv, group, Sq, *out.stride(),
+    b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
+        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), PDL=pdl, **merge_tiles,
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)), PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
@@ -276,7 +303,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
 # once. A CUDA graph keeps the counters of the stream it was captured on (made during its capture,
 # they are zeroed at the start of each of its replays): graphs captured on one stream and replayed
 # at the same time on two streams would share them; capture such graphs on streams of their own,
-# or set TRITONATTN_DECODE_MERGE=0.
+# or leave TRITONATTN_DECODE_MERGE off.
 _counters: dict = {}
 
 
@@ -294,8 +321,12 @@ def _arrival_counters(device, stream: int, n: int) -> torch.Tensor:
     return t
 
 
-# TRITONATTN_DECODE_MERGE=0: the combine kernel merges the splits (as before the twenty-first session)
-MERGE = configs.env_flag("TRITONATTN_DECODE_MERGE", True)
+# TRITONATTN_DECODE_MERGE=1: the split kernel's last program per (batch row, kv head) merges the
+# splits, no combine kernel. Off by default: on the H200 (twenty-first session, graph replays) it
+# was 1-6% faster than a combine kernel of the same arithmetic, but that one was itself slower
+# than this per-row combine kernel as measured before (B=1 / 4096: 892-945 against 1088-1092 GB/s);
+# to be measured against it in one run (benchmarks/NOTES.md).
+MERGE = configs.env_flag("TRITONATTN_DECODE_MERGE")
 
 
 # The combine kernel through programmatic dependent launch (sm_90): it is launched while the split
