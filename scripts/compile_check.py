@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, merge=False, gluon=False, split_diag=False, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, **kw):
         with contextlib.ExitStack() as stack:
             if split_diag:  # the Gluon dK/dV kernel's causal steps in two loops, any tile, at every length
                 stack.enter_context(mock.patch.object(bwd, "SPLIT_DIAG_ROWS", 1))
@@ -120,8 +120,6 @@ def main(argv=None) -> int:
                 stack.enter_context(mock.patch.object(bwd, "TMA", False))
             if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
                 stack.enter_context(mock.patch.multiple(decode, PDL=True, _pdl_ok=lambda q: True))
-            if merge:  # the splits merged in the split kernel (TRITONATTN_DECODE_MERGE=1)
-                stack.enter_context(mock.patch.object(decode, "MERGE", True))
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
@@ -253,8 +251,6 @@ def main(argv=None) -> int:
                 (f"seqlen-q-1-atomic-dq-{dt}", 128, dtypes[dt], {}, dict(sq=1, atomic_dq=True)),
                 (f"kvcache-pdl-{dt}", 128, dtypes[dt],
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32)), dict(pdl=True)),
-                (f"kvcache-merge-{dt}", 128, dtypes[dt],
-                 dict(kv_lens=torch.full((2,), 200, dtype=torch.int32)), dict(merge=True)),
                 (f"kvcache-batch-idx-{dt}", 128, dtypes[dt],
                  dict(kv_lens=torch.full((2,), 200, dtype=torch.int32), alibi_slopes=alibi, softcap=20.0,
                       kv_batch_idx=torch.zeros(2, dtype=torch.int32)), {}),

@@ -8,10 +8,11 @@ the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).
 
-``--merge`` also times each multi-split candidate merged the other way (the combine kernel or the
-split kernel's own merge, TRITONATTN_DECODE_MERGE), ``--default-tile`` only the table's tile.
+``--default-tile`` times only the table's tile, ``--splits`` given split counts, ``--flush read``
+flushes the L2 by a read (see ``bench``). With ``--cuda-graphs`` the first rows are the floor: a
+graph of one / two one-element kernels timed the same way.
 
-    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl] [--merge]
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl]
 """
 
 from __future__ import annotations
@@ -67,14 +68,12 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true",
                    help="also time each split candidate with the combine kernel launched through programmatic "
                         "dependent launch (TRITONATTN_DECODE_PDL)")
-    p.add_argument("--merge", action="store_true",
-                   help="also time each multi-split candidate merged the other way (TRITONATTN_DECODE_MERGE)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
-    pdl_default, merge_default = decode.PDL, decode.MERGE
+    pdl_default = decode.PDL
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -116,13 +115,8 @@ def main(argv=None) -> int:
             tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    ways = [(False, merge_default)]
-                    if splits > 1 and args.pdl:
-                        ways.append((True, False))
-                    if splits > 1 and args.merge:
-                        ways.append((False, not merge_default))
-                    for pdl, merge in ways:
-                        decode.PDL, decode.MERGE = pdl, merge
+                    for pdl in ((False, True) if args.pdl and splits > 1 else (False,)):
+                        decode.PDL = pdl
                         with configs.override(decode=cfg):
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
@@ -131,14 +125,12 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + (" pdl" if pdl else "") + (
-                            "" if splits == 1 or pdl else (" merge" if merge else " combine"))
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
                         rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                        mark = (" (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl
-                                and merge == merge_default else "")
+                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
                         print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
                               f"{ref / ms:.2f} |", flush=True)
-                    decode.PDL, decode.MERGE = pdl_default, merge_default
+                    decode.PDL = pdl_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (

@@ -954,7 +954,6 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
     from tritonattn import flash_attn_with_kvcache
     from tritonattn.kernels import decode, plan
 
-    monkeypatch.setattr(decode, "MERGE", False)  # PDL takes the combine kernel: the plain launch's too
     torch.manual_seed(5)
     for B, cap, splits in ((1, 4096, 16), (4, 1000, 4)):
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=BF16)
@@ -988,47 +987,6 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
             monkeypatch.setattr(decode, "PDL", True)
             torch.cuda.synchronize()
             assert torch.equal(out_g, ref)
-
-
-def test_decode_merge_on_gpu(monkeypatch, poison):
-    """TRITONATTN_DECODE_MERGE=1, the splits merged by their last program: on the GPU the last one
-    differs from run to run, the result must not. 30 reruns bitwise equal; equal to the combine
-    kernel's to rounding; against the reference; every arrival counter back at 0; and as CUDA-graph
-    replays whose capture made the counters of its stream (torch.cuda.graph's own capture stream,
-    not warmed up), 20 replays with new queries bitwise equal to eager calls. 100 splits: the
-    partial outputs read in chunks."""
-    from tritonattn import flash_attn_with_kvcache
-    from tritonattn.kernels import decode, plan
-
-    torch.manual_seed(21)
-    for B, cap, splits in ((1, 4096, 16), (4, 1000, 4), (2, 8192, 100)):
-        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=BF16)
-        kc, vc = (torch.randn(B, cap, 8, 128, device="cuda", dtype=BF16) for _ in range(2))
-        lens = torch.randint(1, cap + 1, (B,), dtype=torch.int32, device="cuda")
-        lens[0] = cap
-        monkeypatch.setattr(decode, "MERGE", False)
-        plan.clear()
-        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
-        monkeypatch.setattr(decode, "MERGE", True)
-        first = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
-        assert (first[0].float() - ref[0].float()).abs().max().item() <= 4e-3, (B, cap, splits)  # bf16 rounding
-        assert (first[1] - ref[1]).abs().max().item() <= 1e-5, (B, cap, splits)
-        for _ in range(30):
-            res = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
-            assert torch.equal(res[0], first[0]) and torch.equal(res[1], first[1]), (B, cap, splits)
-        torch.cuda.synchronize()
-        assert all(not t.any() for t in decode._counters.values())
-        check_against_reference(q[:1], kc[:1], vc[:1], res[0][:1], res[1][:1], None, None, False)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-        for _ in range(20):
-            q.copy_(torch.randn_like(q))
-            graph.replay()
-            eager = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-            torch.cuda.synchronize()
-            assert torch.equal(out_g, eager)
-        assert all(not t.any() for t in decode._counters.values())
 
 
 def test_training_step_in_a_cuda_graph(poison):

@@ -201,9 +201,7 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
 
 def test_which_kernel_decodes(monkeypatch):
     """A few query rows per kv head (seqlen_q x group <= 64) take the decoding kernel: with one split
-    it writes the output itself; with more, a combine kernel merges the splits, or with
-    TRITONATTN_DECODE_MERGE=1 the split kernel's programs do (no combine launch). More rows take the
-    forward kernel whatever
+    it writes the output itself (no combine launch). More rows take the forward kernel whatever
     num_splits says (a hint there: the decoding kernel's tile holds every row, so 4 x 32 rows would
     not fit), with the same result for every num_splits."""
     from tritonattn.kernels import fwd, launch, plan
@@ -218,16 +216,12 @@ def test_which_kernel_decodes(monkeypatch):
     torch.manual_seed(3)
     q = torch.randn(2, 1, 8, 32, device=DEVICE).to(F16)
     kc, vc = _cache(2, 400, 2, 32)
-    from tritonattn.kernels import decode
-
-    for merge, splits, kernels in ((True, 1, [("_decode_split_kernel", True)]),
-                                   (True, 3, [("_decode_split_kernel", False)]),
-                                   (False, 3, [("_decode_split_kernel", False), ("_decode_combine_kernel", None)])):
-        monkeypatch.setattr(decode, "MERGE", merge)
+    for splits, kernels in ((1, [("_decode_split_kernel", True)]),
+                            (3, [("_decode_split_kernel", False), ("_decode_combine_kernel", None)])):
         seen.clear()
         plan.clear()  # on a GPU a replayed plan launches the compiled kernels without launch.launch
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=390, num_splits=splits)
-        assert seen == kernels, (merge, splits, seen)
+        assert seen == kernels, (splits, seen)
     q_long = torch.randn(2, 20, 8, 32, device=DEVICE).to(F16)  # 80 rows per kv head
     outs = []
     for splits in (0, 1, 4):
@@ -236,53 +230,6 @@ def test_which_kernel_decodes(monkeypatch):
         outs.append(flash_attn_with_kvcache(q_long, kc, vc, cache_seqlens=70, causal=True, num_splits=splits))
         assert seen == [(fwd._fwd_kernel.__name__, None)], (splits, seen)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def test_splits_merged_by_their_last_program(monkeypatch, poison):
-    """TRITONATTN_DECODE_MERGE=1: the split kernel's programs merge the splits, the last of a (batch
-    row, kv head) to arrive does it. For 2 to 10 splits (10: partial outputs read in chunks), ragged
-    and empty cache rows, GQA with several query rows: out / lse equal the combine kernel's to
-    rounding and the reference's; a replayed launch plan gives them bitwise again; the arrival
-    counters are all back at 0 after each call (the next call counts from there)."""
-    from tritonattn.kernels import decode, plan
-
-    torch.manual_seed(9)
-    B, Sq, Hq, Hkv, D, S = 3, 2, 6, 2, 40, 300
-    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
-    kc, vc = _cache(B, S, Hkv, D)
-    lens = torch.tensor([0, 7, 291], dtype=torch.int32, device=DEVICE)
-    for splits, chunk in ((2, decode.MERGE_CHUNK), (5, decode.MERGE_CHUNK), (33, 3 * 8 * 64)):
-        # 33: 10 splits of 32 keys, read 2 at a time (3 x 8 rows x 64 dims -> a power of two)
-        monkeypatch.setattr(decode, "MERGE_CHUNK", chunk)
-        plan.clear()
-        res = {}
-        for merge in (False, True, True):  # the second merged call replays the plan
-            monkeypatch.setattr(decode, "MERGE", merge)
-            if merge and merge in res:
-                hits, first = plan.hits, res[True]
-            res[merge] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=splits,
-                                                 return_softmax_lse=True)
-        assert plan.hits == hits + 1
-        assert torch.equal(res[True][0], first[0]) and torch.equal(res[True][1], first[1]), splits
-        assert (res[True][0].float() - res[False][0].float()).abs().max().item() <= 1e-3, splits
-        fin = torch.isfinite(res[False][1])
-        assert torch.equal(fin, torch.isfinite(res[True][1]))
-        assert (res[True][1][fin] - res[False][1][fin]).abs().max().item() <= 1e-5, splits
-        for t in decode._counters.values():
-            assert not t.any(), splits
-        check_against_reference(q[2:], kc[2:, :291], vc[2:, :291], res[True][0][2:], res[True][1][2:], None, None,
-                                True)
-    assert torch.equal(res[True][0][0], torch.zeros_like(res[True][0][0]))
-    # the counting is live: a counter left at 1 makes the (batch row 2, kv head 0) merge one split early
-    monkeypatch.setattr(decode, "MERGE", True)
-    good = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=5)
-    counters = decode._counters[(q.device, decode._stream_id(q.device))]
-    counters[2 * Hkv] = 1
-    bad = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=5)
-    counters.zero_()
-    group = Hq // Hkv
-    assert torch.equal(bad[:2], good[:2]) and torch.equal(bad[2, :, group:], good[2, :, group:])
-    assert not torch.equal(bad[2, :, :group], good[2, :, :group])
 
 
 def test_pick_num_splits(monkeypatch):

@@ -4,12 +4,9 @@ Decoding is memory-bound: what counts is reading each K/V tile once. So one prog
 (split of the keys, batch row, kv head) and packs every query of the kv head's GQA group (group
 size x seqlen_q rows) into its query tile: each K/V tile is read once per kv head, not once per
 query head. Splits along the keys give the grid enough programs to fill the GPU at small batch;
-a combine kernel merges the splits by their log-sum-exp, one program per query row; with
-TRITONATTN_DECODE_MERGE=1 the last program of a (batch row, kv head) to finish does it instead
-(counted on an arrival counter; in a fixed order, so the result does not depend on which one is
-last). With a single split the program writes the output itself (no partial buffers, nothing to
-merge). The score math (softcap, ALiBi, window / causal masks) and the paged-cache addressing are
-the shared helpers of the forward kernel.
+a combine kernel merges the splits by their log-sum-exp. With a single split the program writes
+the output itself (no partial buffers, no combine launch). The score math (softcap, ALiBi, window /
+causal masks) and the paged-cache addressing are the shared helpers of the forward kernel.
 """
 
 import torch
@@ -27,7 +24,7 @@ from tritonattn.kernels.variants import Variants
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, n_splits,
+    Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -39,17 +36,13 @@ def _decode_split_kernel(
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
     DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
     with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). PDL (sm_90, programmatic dependent
-    launch): the combine kernel may be launched at once, to wait on the device for this grid.
-    MERGE (no combine kernel): the program that finishes last among the ``n_splits`` of its (batch
-    row, kv head), counted on COUNTER[batch row x kv head], merges their partials into O (strides
-    ``stride_o*``) and LSE, in split order (the same result whichever program is last), and puts
-    the counter back to 0 for the next launch."""
+    launch): the combine kernel may be launched at once, to wait on the device for this grid."""
     if PDL:
         gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
@@ -125,62 +118,6 @@ def _decode_split_kernel(
                  acc.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     else:
         tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-    if MERGE:
-        # every thread's partial stores come before the arrival (released with it, at GPU scope)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(COUNTER + bhk, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:  # the last of the splits: every partial is written and visible
-            tl.atomic_xchg(COUNTER + bhk, 0, sem="relaxed", scope="gpu")
-            _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, (n_bhk // Hkv) * Hq * Sq, off_b, off_hk, GROUP,
-                        Hq, Sq, stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM, BLOCK_D, BLOCK_R, BLOCK_S,
-                        CHUNK_S)
-
-
-@triton.jit
-def _merge_rows(O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, off_b, off_hk, GROUP, Hq, Sq,
-                stride_ob, stride_om, stride_oh, stride_od, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s, for the GROUP x Sq query rows of
-    (batch row ``off_b``, kv head ``off_hk``), summed in a fixed order (the same bits whichever
-    program runs it). One round trip where the partial outputs fit 8192 elements (CHUNK_S ==
-    BLOCK_S: every split's lse and output loaded together), else one more per CHUNK_S splits.
-    Partials read from L2 (``.cg``): other SMs wrote them."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < GROUP * Sq
-    head = off_hk * GROUP + offs_r // Sq
-    qi = offs_r % Sq
-    row = (off_b * Hq + head) * Sq + qi
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < n_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    rd_ok = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    at = offs_s[:, None] * rows_per_split + row[None, :]  # (BLOCK_S, BLOCK_R)
-    lse_s = tl.load(LSE_PART + at, mask=s_ok[:, None] & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-    if CHUNK_S == BLOCK_S:  # every partial output in the same round trip as the lse
-        o_all = tl.load(O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=s_ok[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse_s, 0)
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
-    w_all = tl.exp(lse_s - m_sub[None, :])
-    total = tl.sum(w_all, 0)
-    if CHUNK_S == BLOCK_S:
-        acc = tl.sum(o_all * w_all[:, :, None], 0)
-    else:  # CHUNK_S splits at a time (a second round trip per chunk)
-        offs_c = tl.arange(0, CHUNK_S)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for s0 in range(0, n_splits, CHUNK_S):
-            s = s0 + offs_c
-            ok = (s < n_splits)[:, None] & r_ok[None, :]
-            at_c = s[:, None] * rows_per_split + row[None, :]
-            w = tl.exp(tl.load(LSE_PART + at_c, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_sub[None, :])
-            o_s = tl.load(O_PART + at_c[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=(s < n_splits)[:, None, None] & rd_ok[None, :, :], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(o_s * w[:, :, None], 0)
-    seen = total > 0.0
-    t_safe = tl.where(seen, total, 1.0)
-    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t_safe), float("-inf")), mask=r_ok)
-    tl.store(O + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh + qi[:, None].to(tl.int64) * stride_om
-             + offs_d[None, :] * stride_od, (acc / t_safe[:, None]).to(O.dtype.element_ty), mask=rd_ok)
 
 
 @triton.jit
@@ -189,9 +126,9 @@ def _decode_combine_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row
-    (the default merge: TRITONATTN_DECODE_MERGE off, or PDL). PDL: launched before the split kernel
-    ended; ``gdc_wait`` holds it until that grid has completed and its writes are visible."""
+    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row.
+    PDL: launched before the split kernel ended; ``gdc_wait`` holds it until that grid has completed
+    and its writes are visible."""
     if PDL:
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
@@ -216,18 +153,6 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty), mask=d_ok)
 
 
-MERGE_CHUNK = 8192  # partial-output elements the merge loads at a time (64 registers a thread at 4 warps)
-
-
-def _merge_tiles(rows: int, splits: int, block_d: int) -> dict:
-    """The merge's tiles: rows (GROUP x Sq) and splits padded to powers of two, partial outputs read
-    at most MERGE_CHUNK elements at a time."""
-    block_r = max(2, next_pow2(rows))
-    block_s = max(2, next_pow2(splits))
-    chunk = max(1, min(block_s, MERGE_CHUNK // (block_r * block_d)))
-    return dict(BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_S=1 << (chunk.bit_length() - 1))  # a power of two
-
-
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
@@ -246,9 +171,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     """Split-KV attention of q (B, Sq, Hq, D) over the cache described by ``var`` (kv_lens, leftpad,
     batch index, block table). k / v as the forward kernel takes them. Returns (out, lse)."""
     inputs = (q, k, v, *var.tensors())
-    stream = _stream_id(q.device) if MERGE else None  # the merge's counters are per stream
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, PDL, stream)
+           var.signature(), capacity, num_splits, PDL)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call (every step of a decoding loop): replayed
         return res
@@ -263,8 +187,6 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     block_m = max(16, next_pow2(group * Sq))
     direct = splits == 1  # one split: the kernel writes out / lse itself
     pdl = PDL and not direct and _pdl_ok(q)
-    merge = MERGE and not direct and not pdl
-    counter = b.fixed(_arrival_counters(q.device, stream, B * Hkv)) if merge else None
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
@@ -273,7 +195,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     cache = var.cache_args(q)
     wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
     b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
-        q, k, v, o_part, lse_part, out, lse, counter, splits, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
+        q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
     ), dict(
@@ -283,10 +205,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
-        MERGE=merge, **_merge_tiles(group * Sq if merge else 1, splits if merge else 1, configs.padded_head_dim(D)),
-        # (fixed unused tiles unmerged: no compiled variant per split count)
     ))
-    if direct or merge:
+    if direct:
         return b.finish((out, lse))
     b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
         o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
@@ -295,38 +215,6 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
-
-
-# The splits merged by the last of them (MERGE): arrival counters, int32, one per (batch row, kv
-# head), kept per (device, stream). Every launch leaves them at 0, so they are zeroed only when made.
-# A stream's launches run one after another, so two launches never count on the same counters at
-# once. A CUDA graph keeps the counters of the stream it was captured on (made during its capture,
-# they are zeroed at the start of each of its replays): graphs captured on one stream and replayed
-# at the same time on two streams would share them; capture such graphs on streams of their own,
-# or leave TRITONATTN_DECODE_MERGE off.
-_counters: dict = {}
-
-
-def _stream_id(device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-def _arrival_counters(device, stream: int, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed arrival counters for the launches on ``stream``."""
-    key = (device, stream)
-    t = _counters.get(key)
-    if t is None or t.numel() < n:
-        # earlier, smaller counters stay alive in the launch plans that hold them
-        t = _counters[key] = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32, device=device)
-    return t
-
-
-# TRITONATTN_DECODE_MERGE=1: the split kernel's last program per (batch row, kv head) merges the
-# splits, no combine kernel. Off by default: on the H200 (twenty-first session, graph replays) it
-# was 1-6% faster than a combine kernel of the same arithmetic, but that one was itself slower
-# than this per-row combine kernel as measured before (B=1 / 4096: 892-945 against 1088-1092 GB/s);
-# to be measured against it in one run (benchmarks/NOTES.md).
-MERGE = configs.env_flag("TRITONATTN_DECODE_MERGE")
 
 
 # The combine kernel through programmatic dependent launch (sm_90): it is launched while the split

@@ -13,9 +13,7 @@ out and Triton specializes on), under the interpreter through :func:`launch.laun
 
 Replaying is exact: the same kernels with the same scalar arguments. A plan is kept only when it is
 safe to replay:
-- every tensor argument of every launch is an input slot, a recorded buffer, or a tensor the
-  launcher keeps for every call of the signature (:meth:`Builder.fixed`: the decoding's arrival
-  counters), which the plan holds and passes as it is (else not kept);
+- every tensor argument of every launch is an input slot or a recorded buffer (else not kept);
 - a tensor in two input roles (``f(x, x, x)``, or varlen's one ``cu_seqlens`` for q and k) is bound
   to its first slot, so the plan replays only calls with the same roles shared (:meth:`Plan.run`
   returns None for the others, which take the launcher's full path);
@@ -121,14 +119,6 @@ class Builder:
         self.bufs: list = []  # kept alive so that their ids stay theirs while recording
         self.zeros: list = []
         self.launches: list = []
-        self.fixed_ids: set = set()
-
-    def fixed(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor the launcher passes to every call of this signature (not made per call): kept by
-        the plan and passed as it is on replay."""
-        self.fixed_ids.add(id(t))
-        self.bufs.append(t)
-        return t
 
     def zero(self, t: torch.Tensor, zero: bool) -> torch.Tensor:
         """An input the launches write into, zeroed first when ``zero`` (replayed before the launches)."""
@@ -170,7 +160,7 @@ class Builder:
             return
         consts, slots = list(args), []
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and id(a) not in self.fixed_ids:
+            if isinstance(a, torch.Tensor):
                 s = self.slot.get(id(a))
                 if s is None:  # a tensor the call's signature does not account for
                     self.ok = False
