@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
-from tritonattn.bench.runner import _graphed  # noqa: E402
+from tritonattn.bench.runner import _bench_read_flush, _graphed  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
 from tritonattn.kernels import decode  # noqa: E402
 from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
@@ -39,25 +39,10 @@ CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), 
 
 def bench(fn, flush: str = "write") -> float:
     """Median ms of ``fn`` with the L2 flushed before each call: "write" as ``triton.testing.do_bench``
-    (256 MB zeroed: the L2 is left full of dirty lines, which a short read must write back as it
-    evicts them), "read" (256 MB summed: the L2 left full of clean lines, as after a layer's weight
-    reads)."""
+    (256 MB zeroed: dirty lines), "read" (256 MB summed: clean lines; ``runner._bench``)."""
     if flush == "write":
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    buf = torch.ones(64 * 2**20, device="cuda")
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(60):
-        buf.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    ms = sorted(a.elapsed_time(b) for a, b in times)
-    return ms[len(ms) // 2]
+    return _bench_read_flush(fn, reps=60)
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,11 @@ def test_decode_grid(capsys):
     assert ("CUDA graph" in rows[0]["note"]) == torch.cuda.is_available()
     print_decode_table([dict(rows[0], note="CUDA graph")])
     assert "each step a CUDA graph replay" in capsys.readouterr().out
+    # --l2-flush read: the L2 flushed by a read before each timed step on a GPU (the rows say so)
+    rows = measure_shape(small, ["tritonattn"], ["fwd"], l2_flush="read")
+    assert ("L2 flushed by a read" in rows[0]["note"]) == torch.cuda.is_available() and rows[0]["gbps"] > 0
+    print_decode_table([dict(rows[0], note="CUDA graph; L2 flushed by a read")])
+    assert "the L2 flushed by a read before each step" in capsys.readouterr().out
 
 
 def test_main_job(capsys):

@@ -183,6 +183,10 @@ def main(argv=None) -> int:
                         "backend's decoding step, as serving engines run it, and the training grids' forward "
                         "and backward (what the kernels do at short sequences, where eager calls measure the "
                         "host); no effect without a GPU")
+    p.add_argument("--l2-flush", choices=["write", "read"], default="write",
+                   help="how the L2 is flushed before each timed call: write (256 MB zeroed, as "
+                        "triton.testing.do_bench: dirty lines that short calls must write back) or read (256 MB "
+                        "summed: clean lines, as after a layer's weight reads); no effect without a GPU")
     p.add_argument("--out", default=None, help="folder for results.csv and plots (default: benchmarks/results/<date>)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="measure no new shape after this many seconds; the tables cover what was measured")
@@ -205,7 +209,8 @@ def main(argv=None) -> int:
         if args.time_budget is not None and i and time.monotonic() - start > args.time_budget:
             print(f"time budget of {args.time_budget:g} s spent: {i} of {len(shapes)} shapes measured", flush=True)
             break
-        got = measure_shape(shape, args.backends, args.modes, env, cuda_graphs=args.cuda_graphs)
+        got = measure_shape(shape, args.backends, args.modes, env, cuda_graphs=args.cuda_graphs,
+                            l2_flush=args.l2_flush)
         rows += got
         summary = " ".join(f"{r['backend']}:{r['mode']}={r['tflops']:.3g}" for r in got if r["tflops"])
         print(f"  {shape.label()}: {summary}", file=sys.stderr, flush=True)

@@ -232,8 +232,11 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
     return fn, ins, note
 
 
-def _bench(fn: Callable, grad_to_none=None) -> float:
-    """Median milliseconds: CUDA events on a GPU; a few wall-clock runs under the interpreter."""
+def _bench(fn: Callable, grad_to_none=None, flush: str = "write") -> float:
+    """Median milliseconds: CUDA events on a GPU; a few wall-clock runs under the interpreter. The L2
+    is flushed before each timed call: ``flush="write"`` as ``triton.testing.do_bench`` does (256 MB
+    zeroed, which leaves the L2 full of dirty lines that a short call's reads must write back as they
+    evict them), ``"read"`` by summing 256 MB (clean lines, as after a layer's weight reads)."""
     if not torch.cuda.is_available():
         import statistics
         import time
@@ -244,9 +247,31 @@ def _bench(fn: Callable, grad_to_none=None) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+    if flush == "read":
+        return _bench_read_flush(fn, grad_to_none)
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _bench_read_flush(fn: Callable, grad_to_none=None, reps: int = 100) -> float:
+    """Median CUDA-event milliseconds of ``fn`` with the L2 flushed by a 256 MB read before each call."""
+    buf = torch.ones(64 * 2**20, device="cuda")
+    for _ in range(10):
+        fn()
+    events = []
+    for _ in range(reps):
+        for t in grad_to_none or ():
+            t.grad = None
+        buf.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    ms = sorted(a.elapsed_time(b) for a, b in events)
+    return ms[len(ms) // 2]
 
 
 def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) -> float:
@@ -298,11 +323,12 @@ def _graphed(fn: Callable, mode: str | None = None, ins=None, dout: torch.Tensor
     return graph.replay
 
 
-def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_graphs: bool = False) -> list[dict]:
+def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_graphs: bool = False,
+                  l2_flush: str = "write") -> list[dict]:
     """Time every backend on one shape; a backend that cannot run the shape gets a row with its error.
     ``cuda_graphs``: every call is timed as a CUDA graph replay (kernel time without host time): a
     decoding step, or a training grid's forward / backward (a backend or mode that cannot be captured
-    gets a row with its error)."""
+    gets a row with its error). ``l2_flush``: how the L2 is flushed before each timed call (``_bench``)."""
     env = env if env is not None else environment()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -320,11 +346,13 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
                 torch.cuda.empty_cache()
             fn, ins, note = make_callable(backend, shape, device)
             graphed = cuda_graphs and device == "cuda"
-            note = "; ".join(n for n in (note, "CUDA graph" if graphed else "") if n)
+            note = "; ".join(n for n in (note, "CUDA graph" if graphed else "",
+                                         "L2 flushed by a read" if l2_flush == "read" and device == "cuda" else "")
+                             if n)
             if shape.grid == "decode":  # inference: forward only, bandwidth is the figure of merit
                 with torch.no_grad():
                     fn()
-                    ms = _bench(_graphed(fn) if graphed else fn)
+                    ms = _bench(_graphed(fn) if graphed else fn, flush=l2_flush)
                 rows.append(dict(base, mode="fwd", ms=ms, tflops=shape.flops("fwd") / ms * 1e-9, max_err=None,
                                  peak_mem_gb=None, gbps=shape.kv_bytes() / ms * 1e-6, note=note))
                 continue
@@ -339,18 +367,18 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
             for mode in modes:
                 if graphed:
                     try:
-                        ms = _bench(_graphed(fn, mode, ins, dout))
+                        ms = _bench(_graphed(fn, mode, ins, dout), flush=l2_flush)
                     except Exception as e:  # noqa: BLE001 - a call that cannot be captured is a result
                         rows.append(dict(base, mode=mode, ms=None, tflops=None, max_err=None, peak_mem_gb=None,
                                          note=f"CUDA graph: {type(e).__name__}: {str(e).splitlines()[0][:100]}"))
                         continue
                 elif mode == "fwd":
-                    ms = _bench(fn)
+                    ms = _bench(fn, flush=l2_flush)
                 elif mode == "bwd":
                     out = fn()
-                    ms = _bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=ins)
+                    ms = _bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=ins, flush=l2_flush)
                 else:
-                    ms = _bench(lambda: fn().backward(dout), grad_to_none=ins)
+                    ms = _bench(lambda: fn().backward(dout), grad_to_none=ins, flush=l2_flush)
                 rows.append(dict(base, mode=mode, ms=ms, tflops=shape.flops(mode) / ms * 1e-9, max_err=err,
                                  peak_mem_gb=None, note=note))
             if "fwd+bwd" in modes and device == "cuda":
@@ -394,6 +422,8 @@ def print_decode_table(rows: list[dict], file=None) -> None:
     ceiling = copy_bandwidth_gbps() if torch.cuda.is_available() else None
     backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in sel)]
     how = "; each step a CUDA graph replay" if any("CUDA graph" in (r.get("note") or "") for r in sel) else ""
+    if any("L2 flushed by a read" in (r.get("note") or "") for r in sel):
+        how += "; the L2 flushed by a read before each step"
     print(f"\n[decoding: GB/s of K/V read{how}; device copy bandwidth measured now: "
           f"{ceiling:.0f} GB/s]" if ceiling else f"\n[decoding: GB/s of K/V read{how}]", file=file)
     print("| shape | " + " | ".join(backends) + " | tritonattn / copy bw | ratio to best peer |", file=file)
