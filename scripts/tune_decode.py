@@ -3,7 +3,8 @@
 For each (batch, cache length) of the decode grid's shape (Hq=32, Hkv=8, D=128, bf16, Sq=1) it
 times ``flash_attn_with_kvcache`` with each candidate ``configs._DECODE`` entry forced and with
 ``num_splits`` = the heuristic's choice x 1/2, 1, 2, 4; and cuDNN / FA2 SDPA on the same shape for
-the ratio. Median of ``triton.testing.do_bench`` (L2 flushed). A table on stdout, CSV under $OUT.
+the ratio. Median of ``triton.testing.do_bench`` (L2 flushed by a write; ``--flush read``: by a
+read). A table on stdout, CSV under $OUT.
 ``--cuda-graphs`` times every step (peers too) as a CUDA graph replay: kernel time without the
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).

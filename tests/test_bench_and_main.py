@@ -97,6 +97,38 @@ def test_decode_grid(capsys):
     assert "the L2 flushed by a read before each step" in capsys.readouterr().out
 
 
+def test_l2_flush_reaches_every_timing(monkeypatch, tmp_path):
+    """--l2-flush: the option reaches measure_shape from the command line, and measure_shape hands it
+    to every timing it makes (the decode step, the training modes)."""
+    from tritonattn.bench import __main__ as bench_main
+    from tritonattn.bench import runner
+
+    flushes = []
+    real = runner._bench
+
+    def spy(fn, grad_to_none=None, flush="write"):
+        flushes.append(flush)
+        return real(fn, grad_to_none)
+
+    monkeypatch.setattr(runner, "_bench", spy)
+    runner.measure_shape(Shape("decode", 1, 2, 1, 1, 40, 16, False, torch.float16), ["tritonattn"], ["fwd"],
+                         l2_flush="read")
+    runner.measure_shape(Shape("tiny", 1, 2, 1, 24, 24, 16, True, torch.float16), ["tritonattn"],
+                         ["fwd", "bwd", "fwd+bwd"], l2_flush="read")
+    assert flushes == ["read"] * 4
+    seen = []
+
+    def fake_measure(shape, backends, modes, env, cuda_graphs=False, l2_flush="write"):
+        seen.append(l2_flush)
+        return []
+
+    monkeypatch.setattr(bench_main, "measure_shape", fake_measure)
+    for argv, want in ((["--l2-flush", "read"], "read"), ([], "write")):
+        seen.clear()
+        assert bench_main.main(["--grid", "tiny", "--out", str(tmp_path), *argv]) == 0
+        assert seen and set(seen) == {want}
+
+
 def test_main_job(capsys):
     from tritonattn.__main__ import main as run_main
 

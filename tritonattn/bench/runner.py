@@ -254,11 +254,23 @@ def _bench(fn: Callable, grad_to_none=None, flush: str = "write") -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
-def _bench_read_flush(fn: Callable, grad_to_none=None, reps: int = 100) -> float:
-    """Median CUDA-event milliseconds of ``fn`` with the L2 flushed by a 256 MB read before each call."""
+def _bench_read_flush(fn: Callable, grad_to_none=None, reps: int | None = None) -> float:
+    """Median CUDA-event milliseconds of ``fn`` with the L2 flushed by a 256 MB read before each call.
+    As ``do_bench``, the warm-up and the timed calls fill about 25 / 100 ms (5 to 100 timed calls)
+    unless ``reps`` says how many."""
     buf = torch.ones(64 * 2**20, device="cuda")
-    for _ in range(10):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
         fn()
+    b.record()
+    torch.cuda.synchronize()
+    est = max(a.elapsed_time(b) / 5, 1e-3)
+    for _ in range(max(1, int(25 / est))):
+        fn()
+    reps = reps or max(5, min(100, int(100 / est)))
     events = []
     for _ in range(reps):
         for t in grad_to_none or ():
@@ -404,7 +416,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
 
 
 def copy_bandwidth_gbps() -> float:
-    """Device copy bandwidth (bytes read + written per second), measured now: the decoding ceiling."""
+    """Device copy bandwidth (bytes read + written per second), measured now: the decoding ceiling.
+    (1 GB each way: the L2's state before the copy, however flushed, is a rounding error.)"""
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     ms = _bench(lambda: y.copy_(x))
