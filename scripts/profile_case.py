@@ -5,6 +5,10 @@ between launches; a slow kernel shows in the per-kernel rows.
 
     python scripts/profile_case.py --seqlens 512 2048 --causal yes no      # llama shape, bf16
 
+``--decode 1:16384 8:4096`` profiles decoding steps instead (Sq=1, cache of B:L, the heads and head
+dim above): eager and CUDA-graph event times, each kernel's device time, GB/s of K/V read by the
+kernels' time, tritonattn beside cuDNN and FA2.
+
 ``--only-tritonattn N`` runs N tritonattn forward+backward calls and nothing else: a target for
 Nsight Compute, e.g.
     ncu --clock-control none --set full -k regex:_bwd_dkdv --launch-skip 1 --launch-count 1 \
@@ -67,9 +71,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--only-tritonattn", type=int, default=0, metavar="N",
                    help="only run N tritonattn forward+backward calls per shape (a target for ncu)")
+    p.add_argument("--decode", nargs="+", metavar="B:L", help="profile decoding steps (batch:cache length)")
     args = p.parse_args(argv)
     dev, dt = "cuda", torch.bfloat16
     B, (Hq, Hkv), D = args.batch, args.heads, args.head_dim
+    if args.decode:
+        return profile_decode(args.decode, Hq, Hkv, D, args.iters)
     print(f"# profile: B={B} Hq={Hq} Hkv={Hkv} D={D} bf16, {torch.cuda.get_device_name()}\n")
     print("| S | causal | backend | mode | event ms | kernels ms | TFLOP/s (event) | kernel: us per call |")
     print("|---|---|---|---|---|---|---|---|")
@@ -123,6 +130,52 @@ def main(argv=None) -> int:
                 detail = "; ".join(f"{k}: {t:.1f}" for k, t in sorted(ks.items(), key=lambda kv: -kv[1]))
                 print(f"| {S} | {c} | {name} | {mode} | {ms:.4f} | {total:.4f} | {flops * mult / ms / 1e9:.1f} | {detail} |",
                       flush=True)
+    return 0
+
+
+def profile_decode(cases: list[str], Hq: int, Hkv: int, D: int, iters: int) -> int:
+    """Decoding steps: where a short step's time goes (launches, each kernel, the gaps). Every
+    timed step comes after an L2 flush (a 16.8 MB cache would otherwise be read from the L2): event
+    times as the benchmark takes them (``runner._bench``), kernel times with a 256 MB zeroing before
+    each step, left out of the per-kernel rows (its fill kernel, "FillFunc" in the name)."""
+    from tritonattn.bench.runner import _bench, _graphed
+
+    flush = torch.empty(64 * 2**20, device="cuda")
+
+    def flushed(fn):
+        def run():
+            flush.zero_()
+            fn()
+        return run
+
+    print(f"# decode profile: Sq=1 Hq={Hq} Hkv={Hkv} D={D} bf16, {torch.cuda.get_device_name()}\n")
+    print("| B | L | backend | eager event us | graph event us | kernels us | GB/s (kernels) | kernel: us per call |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        B, L = (int(x) for x in case.split(":"))
+        q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        gbytes = 2 * kc.numel() * kc.element_size() / 1e9
+        steps = [("tritonattn", lambda: tritonattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L))]
+        for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            def step(backend=backend):
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            steps.append((name, step))
+        for name, fn in steps:
+            try:
+                with torch.no_grad():
+                    eager = _bench(fn) * 1e3
+                    graph = _bench(_graphed(fn)) * 1e3
+                    ks = {k: t for k, t in kernel_us(flushed(fn), iters).items() if "FillFunc" not in k}
+            except RuntimeError as e:  # a peer that cannot serve the shape
+                print(f"| {B} | {L} | {name} | - | - | - | - | {str(e)[:60]} |")
+                continue
+            total = sum(ks.values())
+            detail = "; ".join(f"{k}: {t:.1f}" for k, t in sorted(ks.items(), key=lambda kv: -kv[1]))
+            print(f"| {B} | {L} | {name} | {eager:.1f} | {graph:.1f} | {total:.1f} | {gbytes / total * 1e6:.0f} | "
+                  f"{detail} |", flush=True)
     return 0
 
 
