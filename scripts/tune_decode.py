@@ -26,10 +26,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
 from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
-from tritonattn.bench.runner import _bench_read_flush, _graphed  # noqa: E402
+from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
 from tritonattn.kernels import decode  # noqa: E402
 from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
@@ -39,11 +38,9 @@ CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), 
 
 
 def bench(fn, flush: str = "write") -> float:
-    """Median ms of ``fn`` with the L2 flushed before each call: "write" as ``triton.testing.do_bench``
-    (256 MB zeroed: dirty lines), "read" (256 MB summed: clean lines; ``runner._bench``)."""
-    if flush == "write":
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    return _bench_read_flush(fn, reps=60)
+    """Median ms of ``fn`` with the L2 flushed before each call by a write or a read (``runner._bench``),
+    over shorter warm-up and timing budgets than the harness's (10 / 40 ms)."""
+    return _bench(fn, flush=flush, warmup=10, rep=40)
 
 
 def main(argv=None) -> int:

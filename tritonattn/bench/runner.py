@@ -232,11 +232,12 @@ def make_callable(backend: str, shape: Shape, device: str = "cuda"):
     return fn, ins, note
 
 
-def _bench(fn: Callable, grad_to_none=None, flush: str = "write") -> float:
+def _bench(fn: Callable, grad_to_none=None, flush: str = "write", warmup: float = 25, rep: float = 100) -> float:
     """Median milliseconds: CUDA events on a GPU; a few wall-clock runs under the interpreter. The L2
     is flushed before each timed call: ``flush="write"`` as ``triton.testing.do_bench`` does (256 MB
     zeroed, which leaves the L2 full of dirty lines that a short call's reads must write back as they
-    evict them), ``"read"`` by summing 256 MB (clean lines, as after a layer's weight reads)."""
+    evict them), ``"read"`` by summing 256 MB (clean lines, as after a layer's weight reads). ``warmup`` /
+    ``rep``: milliseconds of warm-up and of timed calls, as ``do_bench`` takes them."""
     if not torch.cuda.is_available():
         import statistics
         import time
@@ -248,16 +249,16 @@ def _bench(fn: Callable, grad_to_none=None, flush: str = "write") -> float:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     if flush == "read":
-        return _bench_read_flush(fn, grad_to_none)
+        return _bench_read_flush(fn, grad_to_none, warmup, rep)
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
-def _bench_read_flush(fn: Callable, grad_to_none=None, reps: int | None = None) -> float:
+def _bench_read_flush(fn: Callable, grad_to_none, warmup: float, rep: float) -> float:
     """Median CUDA-event milliseconds of ``fn`` with the L2 flushed by a 256 MB read before each call.
-    As ``do_bench``, the warm-up and the timed calls fill about 25 / 100 ms (5 to 100 timed calls)
-    unless ``reps`` says how many."""
+    As ``do_bench``, the warm-up and the timed calls fill about ``warmup`` / ``rep`` ms (5 to 100
+    timed calls)."""
     buf = torch.ones(64 * 2**20, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -268,11 +269,10 @@ def _bench_read_flush(fn: Callable, grad_to_none=None, reps: int | None = None) 
     b.record()
     torch.cuda.synchronize()
     est = max(a.elapsed_time(b) / 5, 1e-3)
-    for _ in range(max(1, int(25 / est))):
+    for _ in range(max(1, int(warmup / est))):
         fn()
-    reps = reps or max(5, min(100, int(100 / est)))
     events = []
-    for _ in range(reps):
+    for _ in range(max(5, min(100, int(rep / est)))):
         for t in grad_to_none or ():
             t.grad = None
         buf.sum()
