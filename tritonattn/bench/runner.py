@@ -37,8 +37,6 @@ VARIANTS = {
     # (TRITONATTN_BWD_FUSED_DQ=all while measured), and never (=0: the split dQ kernel)
     "tritonattn+fused-dq": dict(),
     "tritonattn+split-dq": dict(),
-    # the Gluon dK/dV kernel's ring slots released through named barriers (TRITONATTN_BWD_NAMED_RELEASE=1)
-    "tritonattn+named-release": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -48,7 +46,6 @@ VARIANT_ENV = {
     "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
     "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "all"},
     "tritonattn+split-dq": {"TRITONATTN_BWD_FUSED_DQ": "0"},
-    "tritonattn+named-release": {"TRITONATTN_BWD_NAMED_RELEASE": "1"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

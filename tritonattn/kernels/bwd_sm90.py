@@ -88,14 +88,11 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
               Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr, HALVES: gl.constexpr = 2, NAMED: gl.constexpr = False):
+              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr, HALVES: gl.constexpr = 2):
     _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM, HALVES)
-    t = _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP,
-                           lo_blk, n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
-                           HEAD_DIM, BLOCK_M, STAGES, LOCKSTEP, NAMED)
-    if NAMED:  # the last blocks' releases, so that no named barrier is left part-way at exit
-        for s in gl.static_range(STAGES):
-            _acquire_slot(empty_bars, t + s, STAGES, NAMED)
+    _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
+                       n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
+                       BLOCK_M, STAGES, LOCKSTEP)
 
 
 @gluon.jit
@@ -117,7 +114,7 @@ def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_ba
 def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       LOCKSTEP: gl.constexpr = False, NAMED: gl.constexpr = False):
+                       LOCKSTEP: gl.constexpr = False):
     """For each step (query head g of the group, query block blk) in _step's order over the
     blocks lo_blk .. lo_blk + n_m - 1: the block's lse2 / delta into the slot's rows, then its Q and
     dO tiles, into ring slot t % STAGES once both consumers released it (t counts the ring's blocks:
@@ -141,7 +138,7 @@ def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, o
             _load_block(q_desc, do_desc, [g, blk * BLOCK_M, 0], q_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]),
                         do_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]), LSE + (h0 + g) * stride_lse_h,
                         DELTA + (h0 + g) * stride_lse_h, blk * BLOCK_M, Sq, t, ready_bars, empty_bars, rows_smem,
-                        BLOCK_M, STAGES, NAMED)
+                        BLOCK_M, STAGES)
             t += 1
     else:
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -155,7 +152,7 @@ def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, o
                 row = (lo_blk + i) * BLOCK_M
                 _load_block(q_desc, do_desc, [row, 0], q_smem.index(slot), do_smem.index(slot),
                             LSE + (h0 + g) * stride_lse_h, DELTA + (h0 + g) * stride_lse_h, row, Sq, t, ready_bars,
-                            empty_bars, rows_smem, BLOCK_M, STAGES, NAMED)
+                            empty_bars, rows_smem, BLOCK_M, STAGES)
                 t += 1
             # the next head's descriptors reuse this one's scratch: let every load through it land first
             for s in gl.static_range(STAGES):
@@ -166,14 +163,14 @@ def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, o
 
 @gluon.jit
 def _load_block(q_desc, do_desc, coord, q_dst, do_dst, p_lse, p_delta, row, Sq, t, ready_bars, empty_bars, rows_smem,
-                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NAMED: gl.constexpr = False):
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Ring block t: the lse2 / delta of query rows [row, row + BLOCK_M) (loaded before the wait
     for the slot, stored after it), then the Q and dO tiles at ``coord`` into ``q_dst`` / ``do_dst``."""
     slot = t % STAGES
     vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
                                          warps_per_cta=[1], order=[0])
     lse2, delta = _load_rows(p_lse, p_delta, row + gl.arange(0, BLOCK_M, layout=vec), Sq)
-    _acquire_slot(empty_bars, t, STAGES, NAMED)
+    mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
     rows_smem.index(2 * slot).store(lse2)
     rows_smem.index(2 * slot + 1).store(delta)
     gl.thread_barrier()  # every lane's stores before the one lane's arrival below
@@ -209,26 +206,25 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
               sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem, ds_bars,
               dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SPLIT_DIAG: gl.constexpr, NAMED: gl.constexpr = False):
+              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SPLIT_DIAG: gl.constexpr):
     key0 = start_n + WG * HALF
     mbarrier.wait(kv_bar, 0)
     if FUSED_DQ:  # this consumer's half of the dQ columns, handed to the writer partition
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
                                 STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_full.index(WG),
-                                dq_empty.index(WG), sm_scale, SPLIT_DIAG, NAMED)
+                                dq_empty.index(WG), sm_scale, SPLIT_DIAG)
     else:
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                                STAGES, SPLIT_DIAG=SPLIT_DIAG, NAMED=NAMED)
+                                STAGES, SPLIT_DIAG=SPLIT_DIAG)
     _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale)
 
 
 @gluon.jit
 def _split_consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem, do_smem,
                       kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      NAMED: gl.constexpr = False):
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """SPLIT_GRADS, consumer P (the default partition): S^T = K Q^T and P^T of each step, handed to
     consumer dS through ``p_smem`` (fp32, buffer step % 2: ``p_full`` / ``p_empty``), and
     dV += P^T dO of the program's 64 keys."""
@@ -265,14 +261,14 @@ def _split_consumer_p(DV, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk
         pt16 = gl.convert_layout(pt.to(dtype), a_layout)
         dv = warpgroup_mma(pt16, do_smem.index(slot), dv, is_async=True)
         dv, pt16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt16))
-        _release_slot(empty_bars, slot, NAMED)
+        mbarrier.arrive(empty_bars.index(slot))
     _store_rows(DV, stride_dvn, start_n, Sk, dv, 1.0)
 
 
 @gluon.jit
 def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem, do_smem, kv_bar,
                        ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NAMED: gl.constexpr = False):
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """SPLIT_GRADS, consumer dS (a worker warpgroup): dP^T = V dO^T, P^T from consumer P,
     dS^T = P^T (dP^T - delta), and dK += dS^T Q of the program's 64 keys."""
     dtype: gl.constexpr = v_smem.dtype
@@ -300,7 +296,7 @@ def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale
         dst16 = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), a_layout)
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
         dk, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst16))
-        _release_slot(empty_bars, slot, NAMED)
+        mbarrier.arrive(empty_bars.index(slot))
     _store_rows(DK, stride_dkn, start_n, Sk, dk, sm_scale)
 
 
@@ -358,42 +354,12 @@ def _wait_bulk_complete():
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
-# NAMED_RELEASE: the ring's slots released through hardware named barriers (one per slot, ids from
-# NAMED_BAR0; Triton's partitions use 0-2) instead of the empty mbarriers: every consumer thread
-# arrives (``bar.arrive``, no wait), the producer warp syncs (``bar.sync``) before refilling the
-# slot; 288 threads meet at a slot's barrier (two consumer warpgroups and the producer warp). An
-# mbarrier arrive is one thread's, which Triton fences with a warpgroup barrier first.
-NAMED_BAR0 = gl.constexpr(4)
-
-
-@gluon.jit
-def _release_slot(empty_bars, slot, NAMED: gl.constexpr):
-    """This consumer is done with ring slot ``slot`` (its products over it complete)."""
-    if NAMED:
-        gl.inline_asm_elementwise("bar.arrive $1, 288; mov.u32 $0, 0;", "=r,r", [slot + NAMED_BAR0], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        mbarrier.arrive(empty_bars.index(slot))
-
-
-@gluon.jit
-def _acquire_slot(empty_bars, t, STAGES: gl.constexpr, NAMED: gl.constexpr):
-    """The producer waits until both consumers released ring block t's slot (held by block t - STAGES)."""
-    slot = t % STAGES
-    if NAMED:
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p bar.sync $1, 288; } mov.u32 $0, 0;",
-                                  "=r,r,r", [slot + NAMED_BAR0, (t >= STAGES).to(gl.int32)], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        mbarrier.wait(empty_bars.index(slot), ((t // STAGES) & 1) ^ 1)
-
-
 @gluon.jit
 def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m, shift,
                 qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                 STAGES: gl.constexpr, FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None,
                 ds_smem=None, ds_bars=None, dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0,
-                SPLIT_DIAG: gl.constexpr = False, NAMED: gl.constexpr = False):
+                SPLIT_DIAG: gl.constexpr = False):
     """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
     loads, each slot released after its products. Returns dk, dv and the ring's next block.
@@ -426,27 +392,25 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
             split = GROUP * (n_m - n_diag)
             dk, dv, t = _steps(0, split, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
                                GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M, STAGES, True, WG, k_all,
-                               ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, NAMED=NAMED)
+                               ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
             dk, dv, t = _steps(split, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
                                rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES, True, WG,
-                               k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, NAMED=NAMED)
+                               k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
         else:  # heads one after the other, blocks ascending: the crossing ones first in each head
             for g in range(GROUP):
                 j0 = g * n_m
                 dk, dv, t = _steps(j0, j0 + n_diag, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
-                                   rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES,
-                                   NAMED=NAMED)
+                                   rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES)
                 dk, dv, t = _steps(j0 + n_diag, j0 + n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars,
                                    empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M,
-                                   STAGES, NAMED=NAMED)
+                                   STAGES)
     elif FUSED_DQ:
         dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
                            GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES, True,
-                           WG, k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, NAMED=NAMED)
+                           WG, k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
     else:
         dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
-                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES,
-                           NAMED=NAMED)
+                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES)
     return dk, dv, t
 
 
@@ -454,7 +418,7 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
 def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m,
            shift, qk_scale, MASK: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
            FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None, ds_smem=None, ds_bars=None,
-           dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0, NAMED: gl.constexpr = False):
+           dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0):
     """_accumulate's steps j0 .. j1 - 1 (each a (query head of the group, query block) in _step's
     order, ring block t on). MASK: 0 none, 1 the causal mask on every step, 2 on the steps whose
     block crosses the keys' diagonal (a test per step)."""
@@ -505,7 +469,7 @@ def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bar
         dv = warpgroup_mma(pt16, do, dv, is_async=True)
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
         dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
-        _release_slot(empty_bars, slot, NAMED)
+        mbarrier.arrive(empty_bars.index(slot))
         if FUSED_DQ:
             mbarrier.wait(ds_bars.index(buf), (t // 2) & 1)
             zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -565,7 +529,7 @@ def _bwd_dkdv_ws_kernel(
     DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, NAMED_RELEASE: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -671,16 +635,14 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG,
-                         NAMED_RELEASE)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG,
-                         NAMED_RELEASE)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES, True, 2, NAMED_RELEASE)),
+                         HEAD_DIM, BLOCK_M, STAGES, True)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
                           dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
         ], [4, 1, 1], [240, 24, 24])
@@ -688,29 +650,27 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_split_consumer_p, (dv_base, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale, k_smem, q_smem,
                                  do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty, CAUSAL,
-                                 HEAD_DIM, BLOCK_M, STAGES, NAMED_RELEASE)),
+                                 HEAD_DIM, BLOCK_M, STAGES)),
             (_split_consumer_ds, (dk_base, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale, v_smem, q_smem,
                                   do_smem, kv_bar, ready_bars, empty_bars, rows_smem, p_smem, p_full, p_empty,
-                                  HEAD_DIM, BLOCK_M, STAGES, NAMED_RELEASE)),
+                                  HEAD_DIM, BLOCK_M, STAGES)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES, False, 1, NAMED_RELEASE)),
+                         HEAD_DIM, BLOCK_M, STAGES, False, 1)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG,
-                         NAMED_RELEASE)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG,
-                         NAMED_RELEASE)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES, False, 2, NAMED_RELEASE)),
+                         HEAD_DIM, BLOCK_M, STAGES, False)),
         ], [4, 1], [240, 24])
 
 
