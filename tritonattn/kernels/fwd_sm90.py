@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from tritonattn import configs
 from tritonattn.kernels.common import LENGTH_CAP, LN2
 from tritonattn.kernels.launch import l2_bytes, sm_count
 
@@ -53,6 +54,8 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # and V released together.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
+# dense calls: descriptors made once per program (the producer's DESC_ONCE); TRITONATTN_FWD_DESC_ONCE=1
+DESC_ONCE = configs.env_flag("TRITONATTN_FWD_DESC_ONCE")
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -169,16 +172,30 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
               stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
               SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr):
+              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr = False):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring (block 0 always: the
     consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
     first K block, into a Q buffer both consumers are done with. K_APART: a K slot is released as
     soon as both S products that read it are done, a step before its V slot, so K block
     j + STAGES - 1 loads while step j runs (else with its V). Runs into the next tile while the
-    consumers finish this one."""
+    consumers finish this one.
+
+    DESC_ONCE (dense calls only): the descriptors span the whole tensors as (batch, head, row, dim),
+    made once per program, and a tile's loads give its coordinates; else they are made per tile
+    over its sequence and head, and a tile's first loads wait until every load through the last
+    tile's descriptors has landed (their scratch is rewritten)."""
     HALF: gl.constexpr = BLOCK_M // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    if DESC_ONCE:
+        gl.static_assert(not IS_VARLEN, "a packed call's descriptors are per sequence")
+        q_desc4 = tma.make_tensor_descriptor(Q, [BH // Hq, Hq, Sq, HEAD_DIM], [stride_qb, stride_qh, stride_qm, 1],
+                                             [1, 1, HALF, HEAD_DIM], layout4)
+        k_desc4 = tma.make_tensor_descriptor(K, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
+                                             [stride_kb, stride_kh, stride_kn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
+        v_desc4 = tma.make_tensor_descriptor(V, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
+                                             [stride_vb, stride_vh, stride_vn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
     J = 0  # K / V blocks loaded so far (all tiles)
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -193,36 +210,57 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
             if sk == 0:
                 k_start = k_start * 0
         if live:
-            if i > 0:  # the last tile's loads have landed: the descriptors' scratch can be rewritten
-                mbarrier.wait(q_bars.index((i - 1) % Q_BUFS), ((i - 1) // Q_BUFS) & 1)
-                for s in gl.static_range(STAGES):
-                    back = gl.maximum(J - 1 - s, 0)
-                    mbarrier.wait(k_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
-                    mbarrier.wait(v_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
-            q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
-                                                [sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], layout)
-            k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
-                                                [k_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], layout)
-            v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh,
-                                                [k_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], layout)
+            if not DESC_ONCE:
+                if i > 0:  # the last tile's loads have landed: the descriptors' scratch can be rewritten
+                    mbarrier.wait(q_bars.index((i - 1) % Q_BUFS), ((i - 1) // Q_BUFS) & 1)
+                    for s in gl.static_range(STAGES):
+                        back = gl.maximum(J - 1 - s, 0)
+                        mbarrier.wait(k_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
+                        mbarrier.wait(v_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
+                q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
+                                                    [sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], layout)
+                k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
+                                                    [k_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], layout)
+                v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh,
+                                                    [k_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], layout)
+            b32 = off_b.to(gl.int32)
+            h32 = off_h.to(gl.int32)
+            hk32 = off_hk.to(gl.int32)
             nb = gl.maximum(n_blocks, 1)
             for j in range(0, nb):
                 jj = J + j
                 slot = jj % STAGES
                 # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
                 mbarrier.wait(k_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+                if DESC_ONCE:
+                    mbarrier.expect(k_bars.index(slot), k_desc4.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc4, [b32, hk32, j * BLOCK_N, 0], k_bars.index(slot),
+                                                    k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+                else:
+                    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
                 if j == 0:  # Q after the first K block: its buffer frees up last
                     qb = i % Q_BUFS
                     mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
-                    mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bars.index(qb), q_smem.index(2 * qb))
-                    tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bars.index(qb),
-                                                    q_smem.index(2 * qb + 1))
+                    if DESC_ONCE:
+                        mbarrier.expect(q_bars.index(qb), 2 * q_desc4.block_type.nbytes)
+                        for c in gl.static_range(2):
+                            tma.async_copy_global_to_shared(q_desc4, [b32, h32, start_m + c * HALF, 0],
+                                                            q_bars.index(qb),
+                                                            q_smem.index(2 * qb + c).reshape([1, 1, HALF, HEAD_DIM]))
+                    else:
+                        mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bars.index(qb), q_smem.index(2 * qb))
+                        tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bars.index(qb),
+                                                        q_smem.index(2 * qb + 1))
                 mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+                if DESC_ONCE:
+                    mbarrier.expect(v_bars.index(slot), v_desc4.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc4, [b32, hk32, j * BLOCK_N, 0], v_bars.index(slot),
+                                                    v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+                else:
+                    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
             J += nb
             i += 1
 
@@ -356,6 +394,7 @@ def _fwd_ws_kernel(
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -399,7 +438,7 @@ def _fwd_ws_kernel(
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN)),
+                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE)),
     ], [4, 1], [240, 24])
 
 
