@@ -37,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tritonattn import configs
 from tritonattn.kernels.common import LENGTH_CAP, LN2
 from tritonattn.kernels.launch import l2_bytes, sm_count
 
@@ -54,8 +53,6 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # and V released together.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
-# dense calls: descriptors made once per program (the producer's DESC_ONCE); TRITONATTN_FWD_DESC_ONCE=1
-DESC_ONCE = configs.env_flag("TRITONATTN_FWD_DESC_ONCE")
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -456,6 +453,12 @@ def section_heads(bh: int, group: int, keys: int, q) -> int:
         return min(HEADS_PER_SECTION, bh)
     kv_heads = l2_bytes(q.device) // 2 // max(1, 2 * keys * q.shape[-1] * q.element_size())
     return min(bh, max(1, kv_heads) * group)
+
+
+def desc_once(q, k, v, varlen: bool) -> bool:
+    """The producer's DESC_ONCE: a dense call whose batch and head strides are not 0 (an expanded
+    tensor keeps the per-tile descriptors, which fold those strides into the base address)."""
+    return not varlen and all(t.stride(0) != 0 and t.stride(2) != 0 for t in (q, k, v))
 
 
 def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None,
