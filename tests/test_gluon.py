@@ -290,6 +290,7 @@ def test_varlen_launch(monkeypatch):
     assert _after(s_args, cu_k, 3, 2) == (0, first)  # after cu_q, cu_k and the lse strides
     assert s_grid[0] == -(-(first - 1) // s_kwargs["BLOCK_M"]), s_grid
     assert name == "_fwd_ws_kernel" and kwargs["IS_VARLEN"] and kwargs["CAUSAL"], kwargs
+    assert not kwargs["DESC_ONCE"]  # a packed call's descriptors are per sequence
     # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
     # most one per tile: the longest sequence's query blocks x sequences x heads
     assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8,), grid
@@ -499,3 +500,22 @@ def test_forward_launch_by_head_dim(monkeypatch, D, causal):
     assert (kwargs["BLOCK_N"], kwargs["STAGES"], kwargs["Q_BUFS"], kwargs["K_APART"]) == (block_n, stages, q_bufs,
                                                                                        k_apart)
     assert kwargs["K_APART"] == (D == 256) and kwargs["CAUSAL"] == causal and kwargs["HEAD_DIM"] == D, kwargs
+    # dense: descriptors over the whole tensors, built once per program (DESC_ONCE)
+    assert kwargs["DESC_ONCE"], kwargs
+
+
+def test_forward_descriptors_once_only_where_dense_and_strided():
+    """fwd_sm90.desc_once: the producer's descriptors over (batch, head, row, dim) of the whole
+    tensors for dense calls; packed calls (bounds per sequence) and tensors expanded along the batch
+    or the heads (a zero stride, folded into the base address by per-tile descriptors) keep the
+    per-tile descriptors."""
+    from tritonattn.kernels import fwd_sm90
+
+    q, k, v = qkv(B=2, Sq=64, Sk=64, D=64)
+    assert fwd_sm90.desc_once(q, k, v, varlen=False)
+    assert not fwd_sm90.desc_once(q, k, v, varlen=True)
+    heads = k[:, :, :1].expand(k.shape)  # the kv heads broadcast: head stride 0
+    batch = v[:1].expand(v.shape)  # the batch broadcast: batch stride 0
+    assert heads.stride(2) == 0 and batch.stride(0) == 0
+    assert not fwd_sm90.desc_once(q, heads, v, varlen=False)
+    assert not fwd_sm90.desc_once(q, k, batch, varlen=False)
