@@ -37,6 +37,9 @@ VARIANTS = {
     # (TRITONATTN_BWD_FUSED_DQ=all while measured), and never (=0: the split dQ kernel)
     "tritonattn+fused-dq": dict(),
     "tritonattn+split-dq": dict(),
+    # the Gluon dK/dV kernel's Q / dO read through one 3-d descriptor over the group's heads
+    # (TRITONATTN_BWD_DESC_3D=1: no per-head rebuild and wait)
+    "tritonattn+bwd-desc-3d": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -46,6 +49,7 @@ VARIANT_ENV = {
     "tritonattn+atomic-dq-pointer": {"TRITONATTN_ATOMIC_DQ": "1", "TRITONATTN_ATOMIC_DQ_TMA": "0"},
     "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "all"},
     "tritonattn+split-dq": {"TRITONATTN_BWD_FUSED_DQ": "0"},
+    "tritonattn+bwd-desc-3d": {"TRITONATTN_BWD_DESC_3D": "1"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

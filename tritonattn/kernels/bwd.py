@@ -714,7 +714,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
                       FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None,
-                      SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS))
+                      SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
+                      DESC_3D=configs.env_flag("TRITONATTN_BWD_DESC_3D")))
 
     dqa = None
     if fused:

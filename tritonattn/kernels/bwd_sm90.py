@@ -88,11 +88,12 @@ MAXNREG = 168  # as the forward's: setmaxnreg moves the producer's registers to 
 def _producer(K, V, Q, DO, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, start_n,
               Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars,
               LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr, HALVES: gl.constexpr = 2):
+              STAGES: gl.constexpr, LOCKSTEP: gl.constexpr, HALVES: gl.constexpr = 2,
+              DESC_3D: gl.constexpr = False):
     _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, 0, kv_bar, HEAD_DIM, HALVES)
     _load_query_blocks(0, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem, HEAD_DIM,
-                       BLOCK_M, STAGES, LOCKSTEP)
+                       BLOCK_M, STAGES, LOCKSTEP, DESC_3D)
 
 
 @gluon.jit
@@ -114,7 +115,7 @@ def _load_kv(K, V, stride_kn, stride_vn, start_n, Sk, k_smem, v_smem, buf, kv_ba
 def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, off_hk, Sq, q_rows, GROUP, lo_blk,
                        n_m, q_smem, do_smem, ready_bars, empty_bars, LSE, DELTA, stride_lse_h, rows_smem,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       LOCKSTEP: gl.constexpr = False):
+                       LOCKSTEP: gl.constexpr = False, DESC_3D: gl.constexpr = False):
     """For each step (query head g of the group, query block blk) in _step's order over the
     blocks lo_blk .. lo_blk + n_m - 1: the block's lse2 / delta into the slot's rows, then its Q and
     dO tiles, into ring slot t % STAGES once both consumers released it (t counts the ring's blocks:
@@ -122,18 +123,21 @@ def _load_query_blocks(t, Q, DO, stride_qm, stride_qh, stride_dom, stride_doh, o
 
     Heads one after the other (not LOCKSTEP): a descriptor per head, every load through a head's
     descriptors landed when the next head's are built and when this returns. LOCKSTEP (heads
-    inside blocks): one 3-d descriptor over the group's heads (any head stride). The descriptors
-    span ``q_rows`` rows (Sq, or 1 for a packed sequence with no query, which loads none)."""
+    inside blocks), or DESC_3D with the heads one after the other (an experiment,
+    TRITONATTN_BWD_DESC_3D=1: no wait for a head's loads before the next head's): one 3-d descriptor
+    over the group's heads (any head stride), whose last loads may still be in flight when this
+    returns. The descriptors span ``q_rows`` rows (Sq, or 1 for a packed sequence with no query,
+    which loads none)."""
     t = gl.to_tensor(t)  # (a loop-carried count, also when the caller passes a constant)
     h0 = off_hk * GROUP
-    if LOCKSTEP:
+    if LOCKSTEP or DESC_3D:
         layout3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
         q_desc = tma.make_tensor_descriptor(Q + h0 * stride_qh, [GROUP, q_rows, HEAD_DIM], [stride_qh, stride_qm, 1],
                                             [1, BLOCK_M, HEAD_DIM], layout3)
         do_desc = tma.make_tensor_descriptor(DO + h0 * stride_doh, [GROUP, q_rows, HEAD_DIM],
                                              [stride_doh, stride_dom, 1], [1, BLOCK_M, HEAD_DIM], layout3)
         for j in range(GROUP * n_m):
-            g, blk = _step(j, GROUP, lo_blk, n_m, True)
+            g, blk = _step(j, GROUP, lo_blk, n_m, LOCKSTEP)
             slot = t % STAGES
             _load_block(q_desc, do_desc, [g, blk * BLOCK_M, 0], q_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]),
                         do_smem.index(slot).reshape([1, BLOCK_M, HEAD_DIM]), LSE + (h0 + g) * stride_lse_h,
@@ -529,7 +533,7 @@ def _bwd_dkdv_ws_kernel(
     DQA, dqa_rows, dqa_batch_rows, dqa_head_rows, SEM, sem_batch, sem_head,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -657,7 +661,7 @@ def _bwd_dkdv_ws_kernel(
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES, False, 1)),
+                         HEAD_DIM, BLOCK_M, STAGES, False, 1, DESC_3D)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
@@ -670,7 +674,7 @@ def _bwd_dkdv_ws_kernel(
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
-                         HEAD_DIM, BLOCK_M, STAGES, False)),
+                         HEAD_DIM, BLOCK_M, STAGES, False, 2, DESC_3D)),
         ], [4, 1], [240, 24])
 
 
