@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False):
+                 s=256, b=2, fused_dq=False, desc_3d=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -148,12 +148,14 @@ def main(argv=None) -> int:
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         os.environ["TRITONATTN_BWD_FUSED_DQ"] = {False: "0", True: "1"}.get(fused_dq, fused_dq)
+        os.environ["TRITONATTN_BWD_DESC_3D"] = "1" if desc_3d else "0"
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
             os.environ.pop("TRITONATTN_ATOMIC_DQ")
             os.environ.pop("TRITONATTN_ATOMIC_DQ_TMA")
             os.environ.pop("TRITONATTN_BWD_FUSED_DQ")
+            os.environ.pop("TRITONATTN_BWD_DESC_3D")
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
                                                                           fused_dq=True)),
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
+                # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
+                (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 (f"gluon-atomic-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=8192, gluon=True, atomic_dq=True)),
                 # D=256: the dK/dV kernel's consumers split by gradient (bwd_sm90 SPLIT_GRADS)
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
