@@ -472,6 +472,34 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
         assert not kwargs["FUSED_DQ"] and names == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], (kwargs, names)
 
 
+def test_dkdv_desc_3d_switch_is_in_the_plan_key(monkeypatch):
+    """TRITONATTN_BWD_DESC_3D (an experiment the bench times as a variant in the same process as
+    the default): a call after one with the same signature but the other setting takes its own
+    plan, so the switch reaches the launch (a replay of the first call's plan would time the
+    default twice)."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
+    S = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][1] + 37
+    q, k, v = qkv(Sq=S, Sk=S, D=128)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
+    plan.clear()
+    flags = []
+    for env in (None, "1", None):
+        if env is None:
+            monkeypatch.delenv("TRITONATTN_BWD_DESC_3D", raising=False)
+        else:
+            monkeypatch.setenv("TRITONATTN_BWD_DESC_3D", env)
+        seen.clear()
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
+        flags.append([kw["DESC_3D"] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])
+    assert flags == [[False], [True], [False]], flags
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_forward_launch_by_head_dim(monkeypatch, D, causal):

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tritonattn import configs
+from tritonattn.kernels import plan
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 PEERS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
@@ -354,6 +355,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
         env_vars = VARIANT_ENV.get(backend, {})
         saved_env = {name: os.environ.get(name) for name in env_vars}
         os.environ.update(env_vars)
+        if env_vars:  # (a launch plan kept by an earlier backend must not stand in for the variant's calls)
+            plan.clear()
         saved_heads_first = configs.HEADS_FIRST
         if backend == "tritonattn+heads-first":
             configs.HEADS_FIRST = True
@@ -416,6 +419,8 @@ def measure_shape(shape: Shape, backends, modes, env: dict | None = None, cuda_g
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+            if env_vars:
+                plan.clear()
     return rows
 
 

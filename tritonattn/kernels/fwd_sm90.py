@@ -9,7 +9,7 @@ runs three partitions:
   slots, each slot refilled once both consumers have released it (an mbarrier with two
   arrivals); it runs into the next tile while the consumers finish the current one. Dense calls
   read through descriptors over the whole tensors, built once per program (twenty-second session:
-  +3-15% at S=512, where rebuilding them per tile stalled the producer at every tile boundary);
+  +1-15% at S=512, where rebuilding them per tile stalled the producer at every tile boundary);
 - two consumer warpgroups (the default partition and a worker) of 64 query rows each, over the
   same key blocks. They take turns on the tensor cores ("ping-pong"): a consumer waits for its
   turn, issues S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products
