@@ -189,12 +189,12 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     if DESC_ONCE:
         gl.static_assert(not IS_VARLEN, "a packed call's descriptors are per sequence")
-        q_desc4 = tma.make_tensor_descriptor(Q, [BH // Hq, Hq, Sq, HEAD_DIM], [stride_qb, stride_qh, stride_qm, 1],
-                                             [1, 1, HALF, HEAD_DIM], layout4)
-        k_desc4 = tma.make_tensor_descriptor(K, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
-                                             [stride_kb, stride_kh, stride_kn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
-        v_desc4 = tma.make_tensor_descriptor(V, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
-                                             [stride_vb, stride_vh, stride_vn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
+        q_desc = tma.make_tensor_descriptor(Q, [BH // Hq, Hq, Sq, HEAD_DIM], [stride_qb, stride_qh, stride_qm, 1],
+                                            [1, 1, HALF, HEAD_DIM], layout4)
+        k_desc = tma.make_tensor_descriptor(K, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
+                                            [stride_kb, stride_kh, stride_kn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
+        v_desc = tma.make_tensor_descriptor(V, [BH // Hq, Hq // GROUP, Sk, HEAD_DIM],
+                                            [stride_vb, stride_vh, stride_vn, 1], [1, 1, BLOCK_N, HEAD_DIM], layout4)
     J = 0  # K / V blocks loaded so far (all tiles)
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -231,37 +231,30 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                 slot = jj % STAGES
                 # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
                 mbarrier.wait(k_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
-                if DESC_ONCE:
-                    mbarrier.expect(k_bars.index(slot), k_desc4.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc4, [b32, hk32, j * BLOCK_N, 0], k_bars.index(slot),
-                                                    k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-                else:
-                    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+                mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+                _load_tile(k_desc, b32, hk32, j * BLOCK_N, k_bars.index(slot), k_smem.index(slot), DESC_ONCE)
                 if j == 0:  # Q after the first K block: its buffer frees up last
                     qb = i % Q_BUFS
                     mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
-                    if DESC_ONCE:
-                        mbarrier.expect(q_bars.index(qb), 2 * q_desc4.block_type.nbytes)
-                        for c in gl.static_range(2):
-                            tma.async_copy_global_to_shared(q_desc4, [b32, h32, start_m + c * HALF, 0],
-                                                            q_bars.index(qb),
-                                                            q_smem.index(2 * qb + c).reshape([1, 1, HALF, HEAD_DIM]))
-                    else:
-                        mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bars.index(qb), q_smem.index(2 * qb))
-                        tma.async_copy_global_to_shared(q_desc, [start_m + HALF, 0], q_bars.index(qb),
-                                                        q_smem.index(2 * qb + 1))
+                    mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
+                    for c in gl.static_range(2):
+                        _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(2 * qb + c),
+                                   DESC_ONCE)
                 mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
-                if DESC_ONCE:
-                    mbarrier.expect(v_bars.index(slot), v_desc4.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc4, [b32, hk32, j * BLOCK_N, 0], v_bars.index(slot),
-                                                    v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-                else:
-                    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+                mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+                _load_tile(v_desc, b32, hk32, j * BLOCK_N, v_bars.index(slot), v_smem.index(slot), DESC_ONCE)
             J += nb
             i += 1
+
+
+@gluon.jit
+def _load_tile(desc, b, h, row, bar, dst, DESC_ONCE: gl.constexpr):
+    """``dst`` (rows x head dim) from row ``row`` on: through the whole tensor's descriptor at batch
+    ``b`` and head ``h`` (DESC_ONCE), else through the tile's own 2-d descriptor."""
+    if DESC_ONCE:
+        tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, dst.reshape([1, 1, dst.shape[0], dst.shape[1]]))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
 
 
 @gluon.jit
