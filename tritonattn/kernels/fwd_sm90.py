@@ -29,8 +29,6 @@ tests the eligibility rule; the GPU tier tests its results.
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,7 +58,6 @@ TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
-EARLY_Q = os.environ.get("TRITONATTN_FWD_EARLY_Q") == "1"  # experiment: see _consumer_steps
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
 
@@ -262,14 +259,13 @@ def _load_tile(desc, b, h, row, bar, dst, DESC_ONCE: gl.constexpr):
 
 @gluon.jit
 def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, turn_bars,
-                    acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale, q_free, q_last,
+                    acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, EARLY_Q: gl.constexpr):
+                    K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The rings' blocks and
-    the turns count from J and T (0 here; a program that walks several tiles passes what its earlier tiles used).
-    EARLY_Q: the tile's Q buffer (barrier ``q_free``) released as soon as step ``q_last``'s S is done."""
+    the turns count from J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
@@ -281,8 +277,6 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - WG))
         s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
-        if EARLY_Q:
-            mbarrier.arrive(q_free, pred=j == q_last)
         if K_APART:
             mbarrier.arrive(k_empty.index(slot))
         else:
@@ -300,7 +294,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
               v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
               Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, EARLY_Q: gl.constexpr):
+              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -337,9 +331,6 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            q_last = gl.maximum(n_blocks, 1) - 1
-            if EARLY_Q:
-                mbarrier.arrive(q_empty.index(qb), pred=q_last == 0)
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
@@ -347,14 +338,14 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, q_empty.index(qb), q_last, False, CAUSAL,
-                                               BLOCK_N, STAGES, K_APART, o_layout, p_layout, EARLY_Q)
+                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               o_layout, p_layout)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, q_empty.index(qb), q_last, True, CAUSAL,
-                                               BLOCK_N, STAGES, K_APART, o_layout, p_layout, EARLY_Q)
-            if not EARLY_Q:  # every S of the tile is done: its Q buffer can take a later tile's Q
-                mbarrier.arrive(q_empty.index(qb))
+                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               o_layout, p_layout)
+            # every S of the tile is done: its Q buffer can take a later tile's Q
+            mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
             nb = gl.maximum(n_blocks, 1)
             last = J + nb - 1
@@ -395,7 +386,7 @@ def _fwd_ws_kernel(
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
-    DESC_ONCE: gl.constexpr = False, EARLY_Q: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -431,11 +422,11 @@ def _fwd_ws_kernel(
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, EARLY_Q)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, EARLY_Q)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
