@@ -200,7 +200,8 @@ def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
             m.setenv("TRITONATTN_ATOMIC_DQ", "1")
             call()
         # the Gluon dK/dV kernel with its fused dQ (FUSED_DQ)
-        assert [name for name, _ in seen] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], seen
+        assert [name for name, _ in seen] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel",
+                                              "_bwd_dq_convert_kernel"], seen
 
     def worker():
         _allocation._allocator.set(_allocation._NULL_ALLOCATOR)  # a thread that never set one
@@ -385,9 +386,9 @@ def test_fused_dq_launches(monkeypatch, env):
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0 if causal else None))
         fused = env == "all" or (default and env is None)
         names = [name for name, *_ in seen]
-        assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"] if fused else
+        assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"] if fused else
                          ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, Hkv, names)
-        _, grid, args, kwargs = seen[-1]
+        _, grid, args, kwargs = seen[1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
         if fused:
             dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
@@ -396,6 +397,52 @@ def test_fused_dq_launches(monkeypatch, env):
             blocks = S // bwd.bwd_sm90.TILES[128][0]
             assert sem.dtype == torch.int32 and sem.numel() == 2 * 8 * blocks and not sem.any()
             assert (sem_batch, sem_head) == (8 * blocks, blocks)
+            # the convert kernel reads that buffer into dq
+            assert seen[2][2][0] is dqa and seen[2][1] == (S // configs.DQ_CONVERT.block_m, 2 * 8)
+            # a repeated call replays the recorded plan: the same launches, a new zeroed buffer
+            hits = plan.hits
+            del seen[:]
+            bwd.attention_backward(do, q, k, v, out, lse,
+                                   Variants(softmax_scale=SCALE, win_right=0 if causal else None))
+            assert plan.hits == hits + 1 and [name for name, *_ in seen] == names
+            again = seen[1][2][-7]
+            assert again is not dqa and again.shape == dqa.shape and not again.any()
+
+
+def check_dq_convert(device, packed: bool, dtype) -> None:
+    """The fused dQ's float32 buffer (heads before rows) into dq through bwd._convert_dq: bitwise the
+    transposing torch copy it replaces, into a contiguous dq and into a strided view (a (B, H, S, D)
+    tensor seen as (B, S, H, D)); rows past a block (77 of 64-row blocks), a head dim that is not a
+    power of two (40: masked columns), 3 heads; packed sequences: (Hq, total_q, D) into (total_q, Hq, D).
+    Under the interpreter float32 -> bfloat16 truncates (Triton 3.6's interpreter; the GPU rounds to
+    nearest even, as torch does): there the expected values are truncated too."""
+    from tritonattn.kernels import launch
+
+    torch.manual_seed(0)
+    B, S, H, D = 2, 77, 3, 40
+    if packed:
+        dqa = torch.randn(H, B * S, D, device=device)
+        cu = torch.tensor([0, S, 2 * S], dtype=torch.int32, device=device)
+        var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
+        ref, shapes = dqa.transpose(0, 1), ((B * S, H, D), (H, B * S, D))
+    else:
+        dqa = torch.randn(B, H, S, D, device=device)
+        var = Variants(softmax_scale=SCALE)
+        ref, shapes = dqa.transpose(1, 2), ((B, S, H, D), (B, H, S, D))
+    if dtype == torch.bfloat16 and device == "cpu":  # the interpreter's cast: drop the low 16 bits
+        ref = (ref.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+    want = ref.to(dtype)
+    for i, shape in enumerate(shapes):
+        dq = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        dq = dq if i == 0 else dq.transpose(0, 1) if packed else dq.transpose(1, 2)
+        bwd._convert_dq(dqa, dq, var, launch.launch)
+        assert torch.equal(dq, want), (i, (dq.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dq_convert_kernel(packed, dtype):
+    check_dq_convert("cpu", packed, dtype)
 
 
 def test_fused_dq_varlen_classes(monkeypatch):
@@ -416,7 +463,7 @@ def test_fused_dq_varlen_classes(monkeypatch):
     var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=first, max_seqlen_k=first)
     bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(8, total), var)
     names = [name for name, *_ in seen]
-    assert names[:2] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    assert names[:3] == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"], names
     _, _, args, kwargs = seen[1]
     assert kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and kwargs["IS_VARLEN"]
     assert _after(args, cu, 2, 2) == (first, LENGTH_CAP)  # (cu_q, cu_k, LEN_LO, LEN_HI)
@@ -424,7 +471,7 @@ def test_fused_dq_varlen_classes(monkeypatch):
     assert dqa.shape == (8, total, 128) and (rows, batch_rows, head_rows) == (8 * total, 0, total)
     block_m = bwd.bwd_sm90.TILES[128][0]
     assert sem.numel() == 8 * (-(-total // block_m) + 3) and (sem_batch, sem_head) == (0, sem.numel() // 8)
-    rest = seen[2:]
+    rest = seen[3:]
     at = bwd._bwd_dq_kernel.arg_names.index("LEN_LO")
     dq_launches = [tuple(a[at:at + 2]) for n, _, a, _ in rest if n == "_bwd_dq_kernel"]
     assert dq_launches and all(hi <= first for _, hi in dq_launches), dq_launches

@@ -700,12 +700,21 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
     dout = torch.randn_like(out)
     names = _launched(monkeypatch)
     grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"], names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
     for _ in range(reruns):
         again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         for a, b in zip(grads, again, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float16, BF16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_dq_convert_kernel_on_gpu(packed, dtype):
+    """The fused dQ's buffer into dq on the GPU: bitwise torch's cast (bf16 rounded to nearest even)."""
+    from test_gluon import check_dq_convert
+
+    check_dq_convert(DEVICE, packed, dtype)
 
 
 def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
@@ -727,7 +736,7 @@ def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
     dout = torch.randn_like(out)
     names = _launched(monkeypatch)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel"], names
+    assert names == ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"], names
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
         if lq == 0:

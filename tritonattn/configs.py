@@ -169,6 +169,8 @@ _INTERP = {
     "bwd_dq": C(64, 32, 4, 1),
 }
 _PREPROCESS = C(64, 0, 4, 1)
+# the fused dQ's float32 buffer into dq (bwd._bwd_dq_convert_kernel): 64 rows of 128 x 4 bytes per program
+DQ_CONVERT = C(64, 0, 4, 1)
 # probabilities / dBias tiles (a testing aid and the bias-gradient pass): one tile per program
 _TILE = {2: C(64, 64, 4, 2), 4: C(32, 32, 4, 1)}
 _TILE_INTERP = C(32, 64, 4, 1)

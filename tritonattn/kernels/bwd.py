@@ -106,6 +106,47 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _bwd_dq_convert_kernel(
+    DQA, DQ,
+    stride_ab, stride_ah, stride_am,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    Hq, rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HEADS_FIRST: tl.constexpr,
+):
+    """dQ in its dtype and layout from the fused dQ's float32 buffer (heads before rows, unit dim
+    stride): ``rows`` rows of each (batch, head), BLOCK_M of them per program, both sides read and
+    written whole rows at a time (a transposing torch copy took the slow strided path)."""
+    pid, _n_blocks, bh, _n_bh = program_order(HEADS_FIRST)
+    off_bh = bh.to(tl.int64)
+    off_b = off_bh // Hq
+    off_h = off_bh % Hq
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < rows) & (offs_d[None, :] < HEAD_DIM)
+    r = offs_m[:, None].to(tl.int64)
+    x = tl.load(DQA + off_b * stride_ab + off_h * stride_ah + r * stride_am + offs_d[None, :], mask=mask)
+    tl.store(DQ + off_b * stride_qb + off_h * stride_qh + r * stride_qm + offs_d[None, :] * stride_qd,
+             x.to(DQ.dtype.element_ty), mask=mask)
+
+
+def _convert_dq(dqa: torch.Tensor, dq: torch.Tensor, var: Variants, launch_fn) -> None:
+    """``dq`` (q's layout, any strides) = the fused dQ's float32 buffer ``dqa``: (B, Hq, Sq, D), or
+    (Hq, total_q, D) for packed sequences, contiguous; through ``launch_fn`` (a plan's)."""
+    if var.varlen:
+        hq, rows, d = dqa.shape
+        batch, a_strides = 1, (0, dqa.stride(0), dqa.stride(1))
+    else:
+        batch, hq, rows, d = dqa.shape
+        a_strides = (dqa.stride(0), dqa.stride(1), dqa.stride(2))
+    cfg = configs.DQ_CONVERT
+    wide = batch * hq > configs.MAX_GRID_YZ  # heads on the grid's x axis only past the y limit
+    launch_fn(_bwd_dq_convert_kernel, program_grid(cdiv(rows, cfg.block_m), batch * hq, wide),
+              (dqa, dq, *a_strides, *var.bshd_strides(dq), hq, rows),
+              dict(HEAD_DIM=d, BLOCK_D=configs.padded_head_dim(d), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+                   HEADS_FIRST=wide))
+
+
+@triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam,
@@ -724,13 +765,13 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         # address it as one matrix of rows) and gets dQ scaled; with the semaphores that order the
         # additions unless the call opted into atomics. Its copy into dq writes the other classes'
         # rows as zeros, which the dQ kernel (after) overwrites with theirs
-        dqa = torch.zeros((Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), dtype=torch.float32,
-                          device=q.device)
+        dqa = b.alloc(torch.zeros, (Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), torch.float32,
+                      q.device)
         cu = (var.cu_seqlens_q, var.cu_seqlens_k) if var.varlen else None
-        sem = None if atomic_dq else torch.zeros(bwd_sm90.sem_blocks(q, cu), dtype=torch.int32, device=q.device)
+        sem = None if atomic_dq else b.alloc(torch.zeros, (bwd_sm90.sem_blocks(q, cu),), torch.int32, q.device)
         for lo, hi in fused:
             launch_gluon(lo, hi, dqa, sem)
-        dq.copy_(dqa.transpose(0, 1) if var.varlen else dqa.transpose(1, 2))
+        _convert_dq(dqa, dq, var, b.launch)
     if not atomic_dq and split_below > 0:
         # dQ before dK / dV (its programs compute delta, rowsum(dO * O), for the dK/dV kernels)
         dq_classes = [(lo, min(hi, split_below), cfg) for lo, hi, cfg in classes(dq_route) if lo < split_below]
@@ -776,7 +817,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     if atomic_dq and not fused:
         dq.copy_(dqa.mul_(var.softmax_scale))
-    if key is not None and not fused:  # (the fused path's torch ops between launches: no plan)
+    if key is not None:
         return (*b.finish((dq, dk, dv)), None)
 
     dbias = None
