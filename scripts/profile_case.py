@@ -106,7 +106,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 continue
             cases = [("tritonattn", "fwd", tri_fwd, 1.0), ("tritonattn", "bwd", tri_bwd, 2.5)]
-            for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            peers = (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION))
+            for name, backend in peers:
                 def sdpa_fwd(backend=backend):
                     with torch.no_grad(), sdpa_kernel(backend):
                         F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
@@ -128,8 +129,8 @@ def main(argv=None) -> int:
                     continue
                 total = sum(ks.values()) / 1e3
                 detail = "; ".join(f"{k}: {t:.1f}" for k, t in sorted(ks.items(), key=lambda kv: -kv[1]))
-                print(f"| {S} | {c} | {name} | {mode} | {ms:.4f} | {total:.4f} | {flops * mult / ms / 1e9:.1f} | {detail} |",
-                      flush=True)
+                tflops = flops * mult / ms / 1e9
+                print(f"| {S} | {c} | {name} | {mode} | {ms:.4f} | {total:.4f} | {tflops:.1f} | {detail} |", flush=True)
     return 0
 
 
