@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False, desc_3d=False):
+                 s=256, b=2, fused_dq=False, desc_3d=False, expand_kv=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -135,6 +135,9 @@ def main(argv=None) -> int:
         q = torch.randn(shape_q).to(dtype)
         k = torch.randn(shape_k).to(dtype)
         v = torch.randn(shape_k).to(dtype)
+        if expand_kv:  # K / V broadcast along the batch (stride 0): forward only, per-tile descriptors
+            attention_forward(q, k[:1].expand(shape_k), v[:1].expand(shape_k), var)
+            return
         if varlen and var.block_table is not None:  # paged varlen: forward only, the first page of 16 rows
             var.kv_page_strides = (16 * Hkv * D, 16 * Hkv * D)
             attention_forward(q, k.view(-1, 16, Hkv, D)[0], v.view(-1, 16, Hkv, D)[0], var)
@@ -201,6 +204,9 @@ def main(argv=None) -> int:
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
+                # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
+                (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
+                                                                                    expand_kv=True)),
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 (f"gluon-atomic-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=8192, gluon=True, atomic_dq=True)),
                 # D=256: the dK/dV kernel's consumers split by gradient (bwd_sm90 SPLIT_GRADS)
@@ -282,7 +288,9 @@ def main(argv=None) -> int:
         # the Gluon dK / dV kernel where the table serves the case (never at D=64 with a mask)
         first = 0 if run_kw.get("split_diag") else \
             configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf, math.inf))["win_right" in var_kw]
-        wanted = {"_fwd_ws_kernel"} | ({"_bwd_dkdv_ws_kernel"} if run_kw.get("s", 0) >= first else set())
+        # (a forward-only case: no backward kernel)
+        backward = run_kw.get("s", 0) >= first and not run_kw.get("expand_kv")
+        wanted = {"_fwd_ws_kernel"} | ({"_bwd_dkdv_ws_kernel"} if backward else set())
         missing = wanted - {r["name"] for r in RESULTS[start:]}
         if run_kw.get("gluon") and missing:
             failures += 1  # a Gluon case that compiled a Triton kernel instead (Gluon off, or refused)

@@ -230,6 +230,44 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("broadcast", ["batch", "heads"])
+def test_gluon_forward_expanded_kv(broadcast, causal, poison, monkeypatch):
+    """K / V broadcast along the batch (batch stride 0) or the kv heads (head stride 0), as
+    ``expand`` gives them: the Gluon forward keeps its per-tile descriptors there (fwd_sm90.desc_once
+    is False: a stride of 0 is folded into each tile's base address), and its results are within
+    the reference's tolerance and bitwise those of the same call on materialized copies (which take
+    the descriptors built once per program)."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    torch.manual_seed(7)
+    B, S, Hq, Hkv, D = 2, 1500, 8, 2, 128
+    q = torch.randn(B, S, Hq, D, device=DEVICE, dtype=BF16)
+    if broadcast == "batch":
+        k, v = (torch.randn(1, S, Hkv, D, device=DEVICE, dtype=BF16).expand(B, S, Hkv, D) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, S, 1, D, device=DEVICE, dtype=BF16).expand(B, S, Hkv, D) for _ in range(2))
+    seen, real = [], launch.launch
+
+    def record(fn, grid, args, kwargs):
+        seen.append((fn.__name__, kwargs.get("DESC_ONCE")))
+        real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert seen == [("_fwd_ws_kernel", False)], seen
+    del seen[:]
+    ref, ref_lse, _ = flash_attn_func(q, k.contiguous(), v.contiguous(), causal=causal, return_attn_probs=True)
+    assert seen == [("_fwd_ws_kernel", True)], seen
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    kc, vc = k.contiguous().requires_grad_(), v.contiguous().requires_grad_()
+    qg = q.clone().requires_grad_()
+    out2, lse2, _ = flash_attn_func(qg, kc, vc, causal=causal, return_attn_probs=True)
+    check_against_reference(qg, kc, vc, out, lse, torch.autograd.grad(out2, (qg, kc, vc), dout), dout, causal)
+
+
 @pytest.mark.parametrize("causal,section", [(False, None), (True, None), (True, 5)],
                          ids=["full", "causal", "causal-sections-of-5"])
 def test_gluon_forward_few_programs(causal, section, poison, monkeypatch):
