@@ -97,13 +97,16 @@ def main(argv=None) -> int:
     # the table's sm90 configs, as on a CUDA device
     configs._on_device = lambda q: True
     # the atomic-dQ path's TMA reductions (sm_90 only; TRITONATTN_ATOMIC_DQ_TMA=0 keeps per-element atomics)
-    from tritonattn.kernels import bwd, decode, fwd
+    from tritonattn.kernels import bwd, decode, fwd, fwd_sm90
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, **kw):
         with contextlib.ExitStack() as stack:
+            if trace:  # the Gluon forward with its cycle stamps (benchmarks/experiments/tile_trace.py)
+                buf = torch.zeros(4, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64)
+                stack.enter_context(mock.patch.object(fwd_sm90, "TRACE_BUF", buf))
             if split_diag:  # the Gluon dK/dV kernel's causal steps in two loops, any tile, at every length
                 stack.enter_context(mock.patch.object(bwd, "SPLIT_DIAG_ROWS", 1))
                 stack.enter_context(mock.patch.dict(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], {D: (0, 0)}))
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False, desc_3d=False, expand_kv=False):
+                 s=256, b=2, fused_dq=False, desc_3d=False, expand_kv=False, fwd_only=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -136,8 +139,7 @@ def main(argv=None) -> int:
         k = torch.randn(shape_k).to(dtype)
         v = torch.randn(shape_k).to(dtype)
         if expand_kv:  # K / V broadcast along the batch (stride 0): forward only, per-tile descriptors
-            attention_forward(q, k[:1].expand(shape_k), v[:1].expand(shape_k), var)
-            return
+            k, v, fwd_only = k[:1].expand(shape_k), v[:1].expand(shape_k), True
         if varlen and var.block_table is not None:  # paged varlen: forward only, the first page of 16 rows
             var.kv_page_strides = (16 * Hkv * D, 16 * Hkv * D)
             attention_forward(q, k.view(-1, 16, Hkv, D)[0], v.view(-1, 16, Hkv, D)[0], var)
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
             return
         out, lse = attention_forward(q, k, v, var)
+        if fwd_only:
+            return
         os.environ["TRITONATTN_ATOMIC_DQ"] = "1" if atomic_dq else "0"
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         os.environ["TRITONATTN_BWD_FUSED_DQ"] = {False: "0", True: "1"}.get(fused_dq, fused_dq)
@@ -204,6 +208,9 @@ def main(argv=None) -> int:
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
+                # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)
+                (f"gluon-trace-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, trace=True,
+                                                                              fwd_only=True)),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
@@ -289,7 +296,7 @@ def main(argv=None) -> int:
         first = 0 if run_kw.get("split_diag") else \
             configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf, math.inf))["win_right" in var_kw]
         # (a forward-only case: no backward kernel)
-        backward = run_kw.get("s", 0) >= first and not run_kw.get("expand_kv")
+        backward = run_kw.get("s", 0) >= first and not (run_kw.get("expand_kv") or run_kw.get("fwd_only"))
         wanted = {"_fwd_ws_kernel"} | ({"_bwd_dkdv_ws_kernel"} if backward else set())
         missing = wanted - {r["name"] for r in RESULTS[start:]}
         if run_kw.get("gluon") and missing:

@@ -295,8 +295,9 @@ def test_varlen_launch(monkeypatch):
     # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
     # most one per tile: the longest sequence's query blocks x sequences x heads
     assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8,), grid
-    # then B x Hq and the causal order's heads per section
-    assert args[-2] == 2 * 8 and args[-1] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
+    # then B x Hq, the causal order's heads per section and the trace buffer (off: lse, not read)
+    assert args[-3] == 2 * 8 and args[-2] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
+    assert args[-1] is lse and not kwargs["TRACE"]
     assert args[5] is cu_q and args[6] is cu_k and args[7:9] == (first, LENGTH_CAP)
     assert args[9:12] == (0, 8 * 128, 128) and args[21:23] == (0, 3001)  # q (batch, row, head), lse (batch, head)
     assert args[23:27] == (8, 4, 3000, 2500)  # Hq, GROUP, longest query and key sequences

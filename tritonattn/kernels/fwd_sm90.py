@@ -58,6 +58,11 @@ TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
+# TRACE (benchmarks/experiments/tile_trace.py): an int64 tensor of (programs, TRACE_TILES, TRACE_SLOTS)
+# that the kernel fills with cycle stamps (_stamp), or None (off: the kernel is compiled without them)
+TRACE_BUF = None
+TRACE_TILES = gl.constexpr(64)
+TRACE_SLOTS = gl.constexpr(24)
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
 
 
@@ -167,11 +172,23 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _stamp(TRACE_BUF, i, slot: gl.constexpr, TRACE: gl.constexpr):
+    """TRACE (a measurement, benchmarks/experiments/tile_trace.py): the SM's cycle counter at this
+    point of this program's i-th tile, into TRACE_BUF[program, i, slot] (int64, TRACE_TILES tiles of
+    TRACE_SLOTS slots per program; later tiles are not recorded). Nothing when TRACE is off."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [i], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        at = (gl.program_id(0) * TRACE_TILES + i) * TRACE_SLOTS + slot
+        gl.store(TRACE_BUF + at, now, mask=i < TRACE_TILES)
+
+
+@gluon.jit
 def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
               SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr = False):
+              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring (block 0 always: the
     consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
@@ -209,6 +226,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
             if sk == 0:
                 k_start = k_start * 0
         if live:
+            _stamp(TRACE_BUF, i, 16, TRACE)
             if not DESC_ONCE:
                 if i > 0:  # the last tile's loads have landed: the descriptors' scratch can be rewritten
                     mbarrier.wait(q_bars.index((i - 1) % Q_BUFS), ((i - 1) // Q_BUFS) & 1)
@@ -231,11 +249,14 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                 slot = jj % STAGES
                 # first use of a slot: parity 1 passes at once (an mbarrier starts as if phase -1 completed)
                 mbarrier.wait(k_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
+                if j == 0:
+                    _stamp(TRACE_BUF, i, 17, TRACE)
                 mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
                 _load_tile(k_desc, b32, hk32, j * BLOCK_N, k_bars.index(slot), k_smem.index(slot), DESC_ONCE)
                 if j == 0:  # Q after the first K block: its buffer frees up last
                     qb = i % Q_BUFS
                     mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
+                    _stamp(TRACE_BUF, i, 18, TRACE)
                     mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
                     for c in gl.static_range(2):
                         _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(2 * qb + c),
@@ -243,6 +264,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                 mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
                 mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
                 _load_tile(v_desc, b32, hk32, j * BLOCK_N, v_bars.index(slot), v_smem.index(slot), DESC_ONCE)
+            _stamp(TRACE_BUF, i, 19, TRACE)
             J += nb
             i += 1
 
@@ -294,7 +316,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
               v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
               Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr):
+              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -316,6 +338,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
         if IS_VARLEN:
             live = live & (start_m < sq)
         if live:
+            _stamp(TRACE_BUF, i, 8 * WG, TRACE)
             row0 = start_m + WG * HALF
             offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -326,8 +349,10 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
 
             # block 0 (always, masked)
             mbarrier.wait(q_bars.index(qb), (i // Q_BUFS) & 1)
+            _stamp(TRACE_BUF, i, 8 * WG + 1, TRACE)
             mbarrier.wait(k_bars.index(J % STAGES), (J // STAGES) & 1)
             mbarrier.wait(turn_bars.index(WG), (T & 1) ^ (1 - WG))
+            _stamp(TRACE_BUF, i, 8 * WG + 2, TRACE)
             s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -347,6 +372,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             # every S of the tile is done: its Q buffer can take a later tile's Q
             mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
+            _stamp(TRACE_BUF, i, 8 * WG + 3, TRACE)
             nb = gl.maximum(n_blocks, 1)
             last = J + nb - 1
             mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
@@ -354,6 +380,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            _stamp(TRACE_BUF, i, 8 * WG + 4, TRACE)
             mbarrier.arrive(v_empty.index(last % STAGES))
             if not K_APART:
                 mbarrier.arrive(k_empty.index(last % STAGES))
@@ -370,6 +397,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
                    + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
             gl.store(p_o, out, mask=gl.expand_dims(o_rows < sq, 1))
+            _stamp(TRACE_BUF, i, 8 * WG + 5, TRACE)
             J += nb
             T += nb + 1
             i += 1
@@ -383,10 +411,10 @@ def _fwd_ws_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
-    Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC,
+    Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC, TRACE_BUF,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
-    DESC_ONCE: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -422,15 +450,15 @@ def _fwd_ws_kernel(
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE)),
+                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE)),
     ], [4, 1], [240, 24])
 
 
@@ -456,6 +484,11 @@ def desc_once(q, k, v, varlen: bool) -> bool:
     return not varlen and all(t.stride(0) != 0 and t.stride(2) != 0 for t in (q, k, v))
 
 
+def _trace_buf(lse):
+    """The kernel's TRACE_BUF: :data:`TRACE_BUF` when set, else ``lse`` (not read: TRACE is off)."""
+    return lse if TRACE_BUF is None else TRACE_BUF
+
+
 def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=None, max_seqlens=None,
                 lengths=(0, LENGTH_CAP)) -> tuple:
     """Runtime arguments of :func:`_fwd_ws_kernel`: q / out (B, Sq, Hq, D), k / v (B, Sk, Hkv, D)
@@ -465,15 +498,16 @@ def launch_args(q, k, v, out, lse, win_right: int, qk_scale: float, cu_seqlens=N
     ``max_seqlens`` (max_q, max_k); q / out (total_q, Hq, D), k / v (total_k, Hkv, D), lse (Hq, total_q);
     ``lengths`` (lo, hi): the launch serves the sequences whose longest side is in [lo, hi) (a
     length class, launch.length_classes). Then B x Hq (with the longest query length, the number
-    of tiles) and the causal order's heads per section (:func:`section_heads`)."""
+    of tiles), the causal order's heads per section (:func:`section_heads`) and the trace buffer
+    (:func:`_trace_buf`)."""
     if cu_seqlens is None:
         hq, hkv = q.shape[2], k.shape[2]
         bh = q.shape[0] * hq
         return (q, k, v, out, lse, q, q, *lengths, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                 lse.stride(0), lse.stride(1), hq, hq // hkv, q.shape[1], k.shape[1], win_right, qk_scale,
-                bh, section_heads(bh, hq // hkv, k.shape[1], q))
+                bh, section_heads(bh, hq // hkv, k.shape[1], q), _trace_buf(lse))
     hq, hkv = q.shape[1], k.shape[1]
     bh = (cu_seqlens[0].shape[0] - 1) * hq
     return (q, k, v, out, lse, *cu_seqlens, *lengths, 0, *q.stride()[:2], 0, *k.stride()[:2], 0, *v.stride()[:2],
             0, *out.stride()[:2], 0, lse.stride(0), hq, hq // hkv, *max_seqlens, win_right, qk_scale,
-            bh, section_heads(bh, hq // hkv, max_seqlens[1], q))
+            bh, section_heads(bh, hq // hkv, max_seqlens[1], q), _trace_buf(lse))
