@@ -215,6 +215,13 @@ def main(argv=None) -> int:
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
+                # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed
+                (f"gluon-bwd-desc-3d-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,
+                                                                                        desc_3d=True)),
+                (f"gluon-bwd-desc-3d-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True,
+                                                                                          desc_3d=True)),
+                (f"gluon-bwd-desc-3d-varlen-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, varlen=True,
+                                                                                     desc_3d=True)),
                 (f"gluon-atomic-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=8192, gluon=True, atomic_dq=True)),
                 # D=256: the dK/dV kernel's consumers split by gradient (bwd_sm90 SPLIT_GRADS)
                 (f"gluon-causal-D256-{dt}", 256, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
