@@ -746,6 +746,28 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("D,S", [(128, 2048), (64, 4096), (256, 2048)], ids=["D128", "D64", "D256"])
+def test_bwd_desc_3d_bitwise_on_gpu(D, S, monkeypatch, poison):
+    """TRITONATTN_BWD_DESC_3D=1 (an experiment): the Gluon dK/dV kernel's producer reads Q / dO of
+    the group's heads through one 3-d descriptor, the same loads in the same order, so the gradients
+    are bitwise the default's (causal GQA, odd query count; D=64's causal loops split in two, D=256
+    split by gradient)."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    torch.manual_seed(D)
+    q, k, v = random_qkv(2, S - 37, S, 8, 2, D, BF16, DEVICE)
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("TRITONATTN_BWD_DESC_3D", env)
+        names = _launched(monkeypatch)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        assert "_bwd_dkdv_ws_kernel" in names, names
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float16, BF16, torch.float32], ids=["fp16", "bf16", "fp32"])
 def test_dq_convert_kernel_on_gpu(packed, dtype):
