@@ -763,7 +763,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if fused:
         # the fused classes first. Their fp32 dQ buffer has heads before rows (the TMA reductions
         # address it as one matrix of rows) and gets dQ scaled; with the semaphores that order the
-        # additions unless the call opted into atomics. Its copy into dq writes the other classes'
+        # additions unless the call opted into atomics. Its conversion into dq writes the other classes'
         # rows as zeros, which the dQ kernel (after) overwrites with theirs
         dqa = b.alloc(torch.zeros, (Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), torch.float32,
                       q.device)
