@@ -207,13 +207,13 @@ def main(argv=None) -> int:
                                                                           fused_dq=True)),
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
-                # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)
                 (f"gluon-trace-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, trace=True,
                                                                               fwd_only=True)),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
+                # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed
                 (f"gluon-bwd-desc-3d-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,

@@ -271,6 +271,31 @@ def _after(args: tuple, tensor, skip: int, n: int) -> tuple:
     return tuple(args[i + skip:i + skip + n])
 
 
+def test_trace_buffer_reaches_the_launch(monkeypatch):
+    """fwd_sm90.TRACE_BUF (tile_trace.py's cycle stamps; CPU tensors as if on sm_90, launches
+    recorded): a dense Gluon forward passes it as the kernel's last argument with TRACE on, even
+    where a plan for the same call was recorded untraced (the switch is in the plan's key); unset,
+    the launch is the untraced one again (lse in that slot, TRACE off)."""
+    from tritonattn.kernels import fwd_sm90, launch, plan
+
+    monkeypatch.setattr(fwd, "GLUON", True)
+    monkeypatch.setattr(fwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, args, kwargs)))
+    plan.clear()
+    q, k, v = qkv()
+    var = Variants(softmax_scale=SCALE, win_right=0)
+    buf = torch.zeros(4, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64)
+    for traced in (False, False, True, False):
+        monkeypatch.setattr(fwd_sm90, "TRACE_BUF", buf if traced else None)
+        del seen[:]
+        _, lse = fwd.attention_forward(q, k, v, var)
+        ((name, args, kwargs),) = seen
+        assert name == "_fwd_ws_kernel" and kwargs["TRACE"] == traced, kwargs
+        assert args[-1] is (buf if traced else lse)
+
+
 def test_varlen_launch(monkeypatch):
     """A varlen forward through the Gluon kernel (CPU tensors as if on sm_90; launches recorded), a
     launch per length class: the sequences under the Gluon forward's causal length (here the one of
@@ -400,14 +425,21 @@ def test_fused_dq_launches(monkeypatch, env):
             assert (sem_batch, sem_head) == (8 * blocks, blocks)
             # the convert kernel reads that buffer into dq
             assert seen[2][2][0] is dqa and seen[2][1] == (S // configs.DQ_CONVERT.block_m, 2 * 8)
-            # a repeated call replays the recorded plan: the same launches, a new zeroed buffer
+            # a repeated call replays the recorded plan: the same launches, with a new buffer and new
+            # semaphores that the plan allocates zeroed (torch.zeros, what a replay calls again), the
+            # conversion reading the new buffer
+            (recorded,) = plan._plans.values()
+            assert (torch.zeros, tuple(dqa.shape), torch.float32) in recorded.allocs, recorded.allocs
+            assert (torch.zeros, tuple(sem.shape), torch.int32) in recorded.allocs, recorded.allocs
             hits = plan.hits
             del seen[:]
             bwd.attention_backward(do, q, k, v, out, lse,
                                    Variants(softmax_scale=SCALE, win_right=0 if causal else None))
             assert plan.hits == hits + 1 and [name for name, *_ in seen] == names
-            again = seen[1][2][-7]
+            again, again_sem = seen[1][2][-7], seen[1][2][-3]
             assert again is not dqa and again.shape == dqa.shape and not again.any()
+            assert again_sem is not sem and again_sem.shape == sem.shape and not again_sem.any()
+            assert seen[2][2][0] is again
 
 
 def check_dq_convert(device, packed: bool, dtype) -> None:

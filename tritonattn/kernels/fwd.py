@@ -344,7 +344,8 @@ def attention_forward(q, k, v, var: Variants):
     if tma or aligned:  # descriptors need Triton's allocator, a per-thread setting: also for a replay
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned)
+           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned,
+           fwd_sm90.TRACE_BUF is not None)  # (a traced launch passes a buffer no plan holds: never replayed)
     # (heads_first's other inputs are in the key; MAX_GRID_YZ and fwd_sm90's PROGRAMS and
     # HEADS_PER_SECTION are constants, changed only by tests and the tuner, which clear the plans)
     res = plan.replay(key, inputs, q.device)
