@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 import tritonattn  # noqa: E402
 from tritonattn import configs  # noqa: E402
+from tritonattn.bench.runner import _bench  # noqa: E402
 from tritonattn.kernels import fwd_sm90, plan  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -39,22 +40,9 @@ def run():
     return tritonattn.flash_attn_func(q, k, v, causal=causal)
 
 
-def timed(n=20) -> float:
-    """Median ms of one call (CUDA events)."""
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 plan.clear()
 ref = run()
-plain_ms = timed()
+plain_ms = _bench(run)
 programs = fwd_sm90.grid(q, -(-Sq // fwd_sm90.BLOCK_M.value) * B * H)[0]
 trace = torch.zeros(programs, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64,
                     device="cuda")
@@ -63,7 +51,7 @@ plan.clear()
 try:
     out = run()
     torch.cuda.synchronize()
-    traced_ms = timed()
+    traced_ms = _bench(run)
     same = torch.equal(out, ref)  # the stamps change no result
 finally:
     fwd_sm90.TRACE_BUF = None
@@ -79,37 +67,28 @@ print(f"D={D} B={B} H={H} Sq={Sq} Sk={Sk} causal={causal}: {programs} programs, 
       f"stamps read at {ghz:.2f} cycles per ns")
 
 
-def ns(a, b):
-    """Median over programs and tiles 1.. of stamp b - stamp a (cycles to ns), and the count."""
+def ns(a, b, back=0):
+    """Median over programs and tiles of stamp b of tile i minus stamp a of tile i - back (cycles
+    to ns; tile 0 of each program left out)."""
     vals = []
     for row in t:
-        for i in range(1, min(n_tiles, fwd_sm90.TRACE_TILES.value)):
-            if row[i, a] != 0 and row[i, b] != 0:
-                vals.append(int(row[i, b] - row[i, a]) / ghz)
-    return (statistics.median(vals), len(vals)) if vals else (float("nan"), 0)
-
-
-def gap(a_prev, b_next):
-    """Median of stamp b_next of tile i against stamp a_prev of tile i - 1."""
-    vals = []
-    for row in t:
-        for i in range(2, min(n_tiles, fwd_sm90.TRACE_TILES.value)):
-            if row[i - 1, a_prev] != 0 and row[i, b_next] != 0:
-                vals.append(int(row[i, b_next] - row[i - 1, a_prev]) / ghz)
-    return (statistics.median(vals), len(vals)) if vals else (float("nan"), 0)
+        for i in range(1 + back, min(n_tiles, fwd_sm90.TRACE_TILES.value)):
+            if row[i - back, a] != 0 and row[i, b] != 0:
+                vals.append(int(row[i, b] - row[i - back, a]) / ghz)
+    return statistics.median(vals) if vals else float("nan")
 
 
 print("| interval | consumer 0 ns | consumer 1 ns |\n|---|---|---|")
 for name, a, b in (("start -> Q landed", 0, 1), ("Q -> K_0 and turn", 1, 2), ("the key blocks' loops", 2, 3),
                    ("last P V", 3, 4), ("epilogue (lse, O store)", 4, 5), ("whole tile", 0, 5)):
-    print(f"| {name} | {ns(a, b)[0]:.0f} | {ns(8 + a, 8 + b)[0]:.0f} |")
+    print(f"| {name} | {ns(a, b):.0f} | {ns(8 + a, 8 + b):.0f} |")
 for name, a, b in (("O stored -> next tile's start", 5, 0), ("last P V -> next tile's Q landed", 4, 1)):
-    print(f"| {name} | {gap(a, b)[0]:.0f} | {gap(8 + a, 8 + b)[0]:.0f} |")
+    print(f"| {name} | {ns(a, b, 1):.0f} | {ns(8 + a, 8 + b, 1):.0f} |")
 print("\n| producer interval | ns |\n|---|---|")
 for name, a, b in (("tile start -> K_0 issued", 16, 17), ("K_0 issued -> Q issued (q_empty wait)", 17, 18),
                    ("Q issued -> last load issued", 18, 19)):
-    print(f"| {name} | {ns(a, b)[0]:.0f} |")
+    print(f"| {name} | {ns(a, b):.0f} |")
 for name, a, b in (("consumer 1's loops done (tile i-1) -> Q issued (tile i)", 11, 18),
                    ("consumer 0's loops done (tile i-1) -> Q issued (tile i)", 3, 18)):
-    print(f"| {name} | {gap(a, b)[0]:.0f} |")
-print(f"| Q issued -> consumer 0's Q landed (same tile) | {ns(18, 1)[0]:.0f} |")
+    print(f"| {name} | {ns(a, b, 1):.0f} |")
+print(f"| Q issued -> consumer 0's Q landed (same tile) | {ns(18, 1):.0f} |")
