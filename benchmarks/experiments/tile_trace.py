@@ -9,7 +9,9 @@ tile's last load issued (p3). Stamps are SM cycles (%clock64, one counter per SM
 compared within a program), printed in ns at the SM clock that the run's own time gives. The
 first tile of each program and tiles past TRACE_TILES are left out.
 
-    python benchmarks/experiments/tile_trace.py [D] [Sq] [Sk] [--causal]  # default D=128, Sq=Sk=512
+    python benchmarks/experiments/tile_trace.py [D] [Sq] [Sk] [--causal] [--set=FLAG ...]  # default D=128, Sq=Sk=512
+
+--set=FLAG[=int] sets an experiment switch of fwd_sm90 (e.g. --set=O_SHFL=2) for both runs.
 """
 import os
 import statistics
@@ -26,6 +28,10 @@ from tritonattn.kernels import fwd_sm90, plan  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 causal = "--causal" in sys.argv
+for a in sys.argv[1:]:
+    if a.startswith("--set="):
+        name, _, value = a[len("--set="):].partition("=")
+        setattr(fwd_sm90, name, int(value or 1))
 D = int(args[0]) if args else 128
 Sq = int(args[1]) if len(args) > 1 else 512
 Sk = int(args[2]) if len(args) > 2 else Sq
