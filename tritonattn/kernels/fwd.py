@@ -391,8 +391,7 @@ def attention_forward(q, k, v, var: Variants):
                           Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG,
                           IS_VARLEN=var.varlen, K_APART=k_apart,
                           DESC_ONCE=fwd_sm90.desc_once(q, k, v, var.varlen),
-                          TRACE=fwd_sm90.TRACE_BUF is not None, O_SHFL=fwd_sm90.O_SHFL,
-                          Q_PREFETCH=fwd_sm90.Q_PREFETCH))
+                          TRACE=fwd_sm90.TRACE_BUF is not None))
             continue
         if flags is None:
             heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)

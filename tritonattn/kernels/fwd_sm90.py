@@ -57,8 +57,6 @@ BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value`
 TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
-Q_PREFETCH = False  # experiment: the producer prefetches the next tile's Q into L2 when it issues this tile's
-O_SHFL = 0  # experiment: the O store from a layout of 8 contiguous columns per thread: 0 no, 1 consumer 1's, 2 both
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
 # TRACE (benchmarks/experiments/tile_trace.py): an int64 tensor of (programs, TRACE_TILES, TRACE_SLOTS)
 # that the kernel fills with cycle stamps (_stamp), or None (off: the kernel is compiled without them)
@@ -175,38 +173,16 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
 
 @gluon.constexpr_function
 def _store_layout(rows, head_dim):
-    """The O store's layout for a consumer's [rows, head_dim] tile: each thread holds 8 contiguous
-    columns (16 bytes), a quad of lanes 32 columns of one row, the lanes' other bits rows 1, 2, 4, and
-    each warp the same 16 rows as in the wgmma accumulator (register bit: row 8), so that the
-    accumulator converts into it inside each warp (shuffles, no shared memory)."""
-    reg = [[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, c] for c in (32, 64, 128) if c < head_dim]
-    return gl.DistributedLinearLayout(reg, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+    """The O store's layout for a consumer's [rows, head_dim] tile: each thread holds 4 contiguous
+    columns (an 8-byte store), a quad of lanes 16 columns of one row (a whole 32-byte sector), the
+    lanes' other bits rows 1, 2, 4, and each warp the same 16 rows as in the wgmma accumulator
+    (register bit: row 8). The accumulator converts into it with one round of warp shuffles, no
+    shared memory (twenty-fourth session: straight from the accumulator, two bf16 per thread and
+    store, the second consumer's epilogue took 2.8 us per tile at D=128; 8 columns per thread
+    needs a 2 KB shared scratch per consumer, which D=128 lacks, or two rounds, no faster)."""
+    reg = [[0, 1], [0, 2], [8, 0]] + [[0, c] for c in (16, 32, 64, 128) if c < head_dim]
+    return gl.DistributedLinearLayout(reg, [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                       [rows, head_dim])
-
-
-@gluon.constexpr_function
-def _prefetch_asm(row_bytes):
-    """PTX: prefetch ``row_bytes`` from address $1 into L2 when $2 is not 0."""
-    return ("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], "
-            f"{row_bytes}; mov.u32 $0, 0; }}")
-
-
-@gluon.jit
-def _prefetch_q(Q, stride_qb, stride_qm, stride_qh, t, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift,
-                win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """Q_PREFETCH (an experiment): the query rows of tile ``t`` (this program's next) into L2, a bulk
-    prefetch per row from the producer's warp, so that its TMA load later hits L2."""
-    if t < n_tiles:
-        live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_N,
-            IS_VARLEN)
-        rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        rows = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
-        ptrs = Q + off_b * stride_qb + off_h * stride_qh + (q_start + rows.to(gl.int64)) * stride_qm
-        on = (live & (rows < sq)).to(gl.int32)
-        gl.inline_asm_elementwise(_prefetch_asm(HEAD_DIM * 2), "=r,l,r", [ptrs, on], dtype=gl.int32, is_pure=False,
-                                  pack=1)
 
 
 @gluon.jit
@@ -226,8 +202,7 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
               stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
               SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr,
-              Q_PREFETCH: gl.constexpr):
+              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring (block 0 always: the
     consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
@@ -300,10 +275,6 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                     for c in gl.static_range(2):
                         _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(2 * qb + c),
                                    DESC_ONCE)
-                    if Q_PREFETCH:
-                        _prefetch_q(Q, stride_qb, stride_qm, stride_qh, t + gl.num_programs(0), n_tiles, n_m, BH, SEC,
-                                    Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL,
-                                    HEAD_DIM, BLOCK_N, IS_VARLEN)
                 mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
                 mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
                 _load_tile(v_desc, b32, hk32, j * BLOCK_N, v_bars.index(slot), v_smem.index(slot), DESC_ONCE)
@@ -359,8 +330,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
               v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
               Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr,
-              O_SHFL: gl.constexpr):
+              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
@@ -436,11 +406,8 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             gl.store(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse, mask=offs_m < sq)
             inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
             out = (acc * gl.expand_dims(inv, 1)).to(dtype)
-            if (O_SHFL == 2) or ((O_SHFL == 1) and (WG == 1)):
-                st_layout: gl.constexpr = _store_layout(HALF, HEAD_DIM)
-                out = gl.convert_layout(out, st_layout)
-            else:
-                st_layout: gl.constexpr = o_layout
+            st_layout: gl.constexpr = _store_layout(HALF, HEAD_DIM)
+            out = gl.convert_layout(out, st_layout)  # 8-byte stores of whole sectors (_store_layout)
             o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
             o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
             p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
@@ -463,8 +430,7 @@ def _fwd_ws_kernel(
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC, TRACE_BUF,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
-    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_SHFL: gl.constexpr = 0,
-    Q_PREFETCH: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -500,15 +466,15 @@ def _fwd_ws_kernel(
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, O_SHFL)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, O_SHFL)),
+                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE, Q_PREFETCH)),
+                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE)),
     ], [4, 1], [240, 24])
 
 
