@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import builtin
 
 from tritonattn.kernels.common import LENGTH_CAP, LOG2E
+from tritonattn.kernels.fwd_sm90 import _store_layout
 
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
 BLOCK_N = 2 * HALF.value  # the launcher's
@@ -510,13 +511,14 @@ def _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale):
 
 @gluon.jit
 def _store_rows(PTR, stride_n, key0, Sk, acc, scale):
-    """``acc * scale`` into rows [key0, key0 + 64) of PTR, rows past Sk left alone."""
-    acc_layout: gl.constexpr = acc.type.layout
-    rows = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc_layout))
+    """``acc * scale`` into rows [key0, key0 + 64) of PTR, rows past Sk left alone; stored as the
+    forward stores O (8-byte vectors of whole sectors after a round of shuffles: _store_layout)."""
+    st_layout: gl.constexpr = _store_layout(HALF, acc.shape[1])
+    val = gl.convert_layout((acc * scale).to(PTR.dtype.element_ty), st_layout)
+    rows = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, st_layout))
     r64 = gl.expand_dims(rows.to(gl.int64), 1)
-    gl.store(PTR + r64 * stride_n + gl.expand_dims(cols, 0), (acc * scale).to(PTR.dtype.element_ty),
-             mask=gl.expand_dims(rows < Sk, 1))
+    gl.store(PTR + r64 * stride_n + gl.expand_dims(cols, 0), val, mask=gl.expand_dims(rows < Sk, 1))
 
 
 @gluon.jit
