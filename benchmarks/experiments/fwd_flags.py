@@ -1,13 +1,17 @@
 """The Gluon forward with experiment switches of tritonattn/kernels/fwd_sm90.py on and off (H200).
 
-Each setting (a comma-separated list of module flags to set, FLAG or FLAG=int, "-" for none) runs every shape: its
-output must equal the default's bitwise (the switches change the schedule, not the arithmetic),
-then its time as the median of CUDA-event timings of CUDA-graph replays, the best of two alternating
-rounds.
-cuDNN beside. Shapes: the fa grid's (16k tokens, hidden 2048, MHA), the Gluon kernel forced.
+Each setting (a comma-separated list of module flags to set, FLAG or FLAG=int, "-" for none;
+"table" runs the library's routing, configs.GLUON_MIN_SEQLEN, instead of the Gluon kernel forced)
+runs every shape. Its output must equal bitwise the first setting's of the same routing (the
+switches change the schedule, not the arithmetic). Its time is the median of CUDA-event timings
+of CUDA-graph replays, the best of two alternating rounds, with cuDNN beside. Shapes: the fa
+grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32, Hkv=8).
 
-    python benchmarks/experiments/fwd_flags.py --settings - O_SHFL Q_PREFETCH,O_SHFL \
-        --head-dims 64 128 --seqlens 512 2048 [--causal no yes]
+    python benchmarks/experiments/fwd_flags.py --settings table - FLAG FLAG=2,OTHER \
+        --head-dims 64 128 --seqlens 512 2048 [--causal no yes] [--llama]
+
+(Switches measured with it, twenty-fourth session: O_SHFL, the O store's layouts, now the kernel's
+only store; Q_PREFETCH, removed. The script keeps working for the next switch.)
 """
 
 from __future__ import annotations
@@ -35,40 +39,44 @@ def main():
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--llama", action="store_true", help="B=4, Hq=32, Hkv=8 instead of the fa shape")
     a = p.parse_args()
-    flags = sorted({f.split("=")[0] for s in a.settings for f in s.split(",") if f != "-"})
-    for D in a.head_dims:
-        configs.GLUON_MIN_SEQLEN["fwd"][D] = (0, 0)
+    flags = sorted({f.split("=")[0] for s in a.settings for f in s.split(",") if f not in ("-", "table")})
+    table = dict(configs.GLUON_MIN_SEQLEN["fwd"])
     print("| D | S | causal | setting | us | TFLOP/s | x default | x cuDNN |\n|---|---|---|---|---|---|---|---|")
     for D in a.head_dims:
         for S in a.seqlens:
             for causal in (c == "yes" for c in a.causal):
-                H, B = 2048 // D, max(1, 16384 // S)
-                q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                H, Hkv, B = (32, 8, 4) if a.llama else (2048 // D, 2048 // D, max(1, 16384 // S))
+                q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 times = {s: [] for s in a.settings}
-                ref = None
+                ref = {}  # the first output of each routing (table or forced): bitwise per routing
                 for _ in range(a.rounds):
                     for s in a.settings:
-                        on = dict((f.split("=") + ["1"])[:2] for f in s.split(",") if f != "-")
+                        on = dict((f.split("=") + ["1"])[:2] for f in s.split(",") if f not in ("-", "table"))
+                        configs.GLUON_MIN_SEQLEN["fwd"][D] = table[D] if "table" in s.split(",") else (0, 0)
                         for f in flags:
                             setattr(fwd_sm90, f, int(on.get(f, 0)))
                         plan.clear()
                         out = tritonattn.flash_attn_func(q, k, v, causal=causal)
-                        if ref is None:
-                            ref = out
-                        elif not torch.equal(out, ref):
+                        routing = "table" in s.split(",")
+                        if routing not in ref:
+                            ref[routing] = out
+                        elif not torch.equal(out, ref[routing]):
                             print(f"| {D} | {S} | {causal} | {s} | OUTPUT DIFFERS from the first setting's |")
                         times[s].append(_bench(_graphed(lambda: tritonattn.flash_attn_func(q, k, v, causal=causal),
                                                         "fwd")) * 1e3)
                 for f in flags:
                     setattr(fwd_sm90, f, 0)
+                configs.GLUON_MIN_SEQLEN["fwd"][D] = table[D]
                 plan.clear()
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
                 def cud():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
                 c = _bench(_graphed(cud, "fwd")) * 1e3
                 base = min(times[a.settings[0]])
                 for s in a.settings:

@@ -11,7 +11,7 @@ first tile of each program and tiles past TRACE_TILES are left out.
 
     python benchmarks/experiments/tile_trace.py [D] [Sq] [Sk] [--causal] [--set=FLAG ...]  # default D=128, Sq=Sk=512
 
---set=FLAG[=int] sets an experiment switch of fwd_sm90 (e.g. --set=O_SHFL=2) for both runs.
+--set=FLAG[=int] sets an experiment switch of fwd_sm90 (a module attribute read at launch) for both runs.
 """
 import os
 import statistics
