@@ -102,8 +102,13 @@ def main(argv=None) -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, o_tma=False,
+            **kw):
         with contextlib.ExitStack() as stack:
+            if o_tma:  # the Gluon forward's experiment: two Q buffers, two V slots, O through a TMA store
+                tiles = dict(fwd_sm90.TILES)
+                tiles[D] = (tiles[D][0], tiles[D][1], 2, tiles[D][3])
+                stack.enter_context(mock.patch.multiple(fwd_sm90, TILES=tiles, V_SLOTS={D: 2}, O_TMA=True))
             if trace:  # the Gluon forward with its cycle stamps (benchmarks/experiments/tile_trace.py)
                 buf = torch.zeros(4, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64)
                 stack.enter_context(mock.patch.object(fwd_sm90, "TRACE_BUF", buf))
@@ -210,6 +215,11 @@ def main(argv=None) -> int:
                 # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)
                 (f"gluon-trace-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, trace=True,
                                                                               fwd_only=True)),
+                # the Gluon forward's O_TMA experiment (fwd_sm90.O_TMA, V_SLOTS, two Q buffers), dense and packed
+                (f"gluon-o-tma-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
+                                                                              fwd_only=True)),
+                (f"gluon-o-tma-varlen-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
+                                                                              varlen=True, fwd_only=True)),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

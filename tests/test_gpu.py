@@ -268,6 +268,53 @@ def test_gluon_forward_expanded_kv(broadcast, causal, poison, monkeypatch):
     check_against_reference(qg, kc, vc, out, lse, torch.autograd.grad(out2, (qg, kc, vc), dout), dout, causal)
 
 
+@pytest.mark.parametrize("programs", [None, 7], ids=["per-SM", "7-programs"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_o_tma_experiment(causal, programs, poison, monkeypatch):
+    """The Gluon forward's experiment of the twenty-fourth session at D=128: two Q buffers, two V
+    slots (fwd_sm90.V_SLOTS) and the output through the tile's Q buffer and a TMA store
+    (fwd_sm90.O_TMA). On one program per SM and on 7 (many tiles each: the Q buffers and the V ring
+    carry across tiles), dense (GQA, a length that is no multiple of the tile) and packed (per-tile
+    descriptors, a sequence of one query and one of no key): the outputs and lse must be bitwise
+    the default kernel's."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
+    torch.manual_seed(5)
+    q = torch.randn(2, 1500, 8, 128, device=DEVICE, dtype=BF16)
+    k, v = (torch.randn(2, 1500, 2, 128, device=DEVICE, dtype=BF16) for _ in range(2))
+    lens_q, lens_k = [1300, 1, 700, 900], [1300, 600, 0, 2000]
+    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    vq = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16)
+    vk, vv = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16) for _ in range(2))
+
+    def both():
+        return (flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
+                + flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         return_attn_probs=True)[:2])
+
+    plan.clear()
+    ref = both()
+    tiles = dict(fwd.fwd_sm90.TILES)
+    tiles[128] = (tiles[128][0], tiles[128][1], 2, tiles[128][3])
+    monkeypatch.setattr(fwd.fwd_sm90, "TILES", tiles)
+    monkeypatch.setattr(fwd.fwd_sm90, "V_SLOTS", {128: 2})
+    monkeypatch.setattr(fwd.fwd_sm90, "O_TMA", True)
+    seen, real = [], launch.launch
+
+    def record(fn, grid, args, kwargs):
+        seen.append((fn.__name__, kwargs.get("O_TMA"), kwargs.get("V_STAGES"), kwargs.get("Q_BUFS")))
+        real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    got = both()
+    assert ("_fwd_ws_kernel", True, 2, 2) in seen, seen
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("causal,section", [(False, None), (True, None), (True, 5)],
                          ids=["full", "causal", "causal-sections-of-5"])
 def test_gluon_forward_few_programs(causal, section, poison, monkeypatch):

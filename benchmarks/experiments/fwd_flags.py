@@ -1,22 +1,24 @@
 """The Gluon forward with experiment switches of tritonattn/kernels/fwd_sm90.py on and off (H200).
 
-Each setting (a comma-separated list of module flags to set, FLAG or FLAG=int, "-" for none;
-"table" runs the library's routing, configs.GLUON_MIN_SEQLEN, instead of the Gluon kernel forced)
-runs every shape. Its output must equal bitwise the first setting's of the same routing (the
-switches change the schedule, not the arithmetic). Its time is the median of CUDA-event timings
-of CUDA-graph replays, the best of two alternating rounds, with cuDNN beside. Shapes: the fa
-grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32, Hkv=8).
+Each setting is a list of parts joined by "+": NAME (set to 1), NAME=LITERAL or NAME[KEY]=LITERAL
+(an entry of a dict attribute) of tritonattn/kernels/fwd_sm90.py, "-" for none, and "table" for the
+library's routing (configs.GLUON_MIN_SEQLEN) instead of the Gluon kernel forced. Each setting runs
+every shape. Its output must equal bitwise the first setting's of the same routing (the switches
+change the schedule, not the arithmetic). Its time is the median of CUDA-event timings of CUDA-graph
+replays, the best of two alternating rounds, with cuDNN beside. Shapes: the fa grid's (16k tokens,
+hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32, Hkv=8).
 
-    python benchmarks/experiments/fwd_flags.py --settings table - FLAG FLAG=2,OTHER \
-        --head-dims 64 128 --seqlens 512 2048 [--causal no yes] [--llama]
+    python benchmarks/experiments/fwd_flags.py --settings table - \
+        "V_SLOTS[128]=2+TILES[128]=(128,3,2,False)" --head-dims 128 --seqlens 512 2048 [--causal no yes] [--llama]
 
 (Switches measured with it, twenty-fourth session: O_SHFL, the O store's layouts, now the kernel's
-only store; Q_PREFETCH, removed. The script keeps working for the next switch.)
+only store; Q_PREFETCH, removed.)
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -32,6 +34,25 @@ from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.kernels import fwd_sm90, plan  # noqa: E402
 
 
+def _apply(parts: list[str]) -> dict:
+    """Set a setting's parts on fwd_sm90: NAME (= 1), NAME=LITERAL or NAME[KEY]=LITERAL (an entry of a
+    dict attribute, set on a copy); returns the attributes' old values."""
+    saved = {}
+    for part in parts:
+        if part in ("-", "table"):
+            continue
+        target, _, value = part.partition("=")
+        value = ast.literal_eval(value) if value else 1
+        name, _, key = target.partition("[")
+        saved.setdefault(name, getattr(fwd_sm90, name))
+        if key:
+            d = dict(getattr(fwd_sm90, name))
+            d[ast.literal_eval(key.rstrip("]"))] = value
+            value = d
+        setattr(fwd_sm90, name, value)
+    return saved
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--settings", nargs="+", default=["-"])
@@ -41,7 +62,6 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llama", action="store_true", help="B=4, Hq=32, Hkv=8 instead of the fa shape")
     a = p.parse_args()
-    flags = sorted({f.split("=")[0] for s in a.settings for f in s.split(",") if f not in ("-", "table")})
     table = dict(configs.GLUON_MIN_SEQLEN["fwd"])
     print("| D | S | causal | setting | us | TFLOP/s | x default | x cuDNN |\n|---|---|---|---|---|---|---|---|")
     for D in a.head_dims:
@@ -55,21 +75,20 @@ def main():
                 ref = {}  # the first output of each routing (table or forced): bitwise per routing
                 for _ in range(a.rounds):
                     for s in a.settings:
-                        on = dict((f.split("=") + ["1"])[:2] for f in s.split(",") if f not in ("-", "table"))
-                        configs.GLUON_MIN_SEQLEN["fwd"][D] = table[D] if "table" in s.split(",") else (0, 0)
-                        for f in flags:
-                            setattr(fwd_sm90, f, int(on.get(f, 0)))
+                        parts = s.split("+")
+                        configs.GLUON_MIN_SEQLEN["fwd"][D] = table[D] if "table" in parts else (0, 0)
+                        saved = _apply(parts)
                         plan.clear()
                         out = tritonattn.flash_attn_func(q, k, v, causal=causal)
-                        routing = "table" in s.split(",")
+                        routing = "table" in parts
                         if routing not in ref:
                             ref[routing] = out
                         elif not torch.equal(out, ref[routing]):
                             print(f"| {D} | {S} | {causal} | {s} | OUTPUT DIFFERS from the first setting's |")
                         times[s].append(_bench(_graphed(lambda: tritonattn.flash_attn_func(q, k, v, causal=causal),
                                                         "fwd")) * 1e3)
-                for f in flags:
-                    setattr(fwd_sm90, f, 0)
+                        for name, value in saved.items():
+                            setattr(fwd_sm90, name, value)
                 configs.GLUON_MIN_SEQLEN["fwd"][D] = table[D]
                 plan.clear()
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

@@ -388,10 +388,11 @@ def attention_forward(q, k, v, var: Variants):
             b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.BLOCK_M.value) * B * Hq),
                      fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
                      dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
-                          Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS, maxnreg=fwd_sm90.MAXNREG,
+                          V_STAGES=fwd_sm90.V_SLOTS.get(D, stages), Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS,
+                          maxnreg=fwd_sm90.MAXNREG,
                           IS_VARLEN=var.varlen, K_APART=k_apart,
                           DESC_ONCE=fwd_sm90.desc_once(q, k, v, var.varlen),
-                          TRACE=fwd_sm90.TRACE_BUF is not None))
+                          TRACE=fwd_sm90.TRACE_BUF is not None, O_TMA=fwd_sm90.O_TMA and q_bufs == 2))
             continue
         if flags is None:
             heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)

@@ -55,6 +55,10 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # and V released together.
 BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
+# experiment (twenty-fourth session): V ring slots by head dim where they differ from the K ring's
+# (TILES' second entry), e.g. {128: 2}: with a second Q buffer that fits where a third V slot was
+V_SLOTS: dict = {}
+O_TMA = False  # experiment (twenty-fourth session): the output through the Q buffer and a TMA store (_consumer)
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -201,11 +205,11 @@ def _stamp(TRACE_BUF, i, slot: gl.constexpr, TRACE: gl.constexpr):
 def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
               SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
-    released the K block that was there, V block j likewise into the V ring (block 0 always: the
-    consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
+    released the K block that was there, V block j likewise into the V ring of V_STAGES slots
+    (block 0 always: the consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
     first K block, into a Q buffer both consumers are done with. K_APART: a K slot is released as
     soon as both S products that read it are done, a step before its V slot, so K block
     j + STAGES - 1 loads while step j runs (else with its V). Runs into the next tile while the
@@ -247,7 +251,9 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                     for s in gl.static_range(STAGES):
                         back = gl.maximum(J - 1 - s, 0)
                         mbarrier.wait(k_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
-                        mbarrier.wait(v_bars.index(back % STAGES), (back // STAGES) & 1, pred=J - 1 - s >= 0)
+                    for s in gl.static_range(V_STAGES):
+                        back = gl.maximum(J - 1 - s, 0)
+                        mbarrier.wait(v_bars.index(back % V_STAGES), (back // V_STAGES) & 1, pred=J - 1 - s >= 0)
                 q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + q_start * stride_qm + off_h * stride_qh,
                                                     [sq, HEAD_DIM], [stride_qm, 1], [HALF, HEAD_DIM], layout)
                 k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh,
@@ -275,9 +281,10 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                     for c in gl.static_range(2):
                         _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(2 * qb + c),
                                    DESC_ONCE)
-                mbarrier.wait(v_empty.index(slot), ((jj // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-                _load_tile(v_desc, b32, hk32, j * BLOCK_N, v_bars.index(slot), v_smem.index(slot), DESC_ONCE)
+                v_slot = jj % V_STAGES
+                mbarrier.wait(v_empty.index(v_slot), ((jj // V_STAGES) & 1) ^ 1)
+                mbarrier.expect(v_bars.index(v_slot), v_desc.block_type.nbytes)
+                _load_tile(v_desc, b32, hk32, j * BLOCK_N, v_bars.index(v_slot), v_smem.index(v_slot), DESC_ONCE)
             _stamp(TRACE_BUF, i, 19, TRACE)
             J += nb
             i += 1
@@ -297,27 +304,30 @@ def _load_tile(desc, b, h, row, bar, dst, DESC_ONCE: gl.constexpr):
 def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, turn_bars,
                     acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
-    rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The rings' blocks and
+    rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
+    slots, the V ring V_STAGES. The rings' blocks and
     the turns count from J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
+        v_prev = (J + j - 1) % V_STAGES
         mbarrier.wait(k_bars.index(slot), ((J + j) // STAGES) & 1)
-        mbarrier.wait(v_bars.index(prev), ((J + j - 1) // STAGES) & 1)
+        mbarrier.wait(v_bars.index(v_prev), ((J + j - 1) // V_STAGES) & 1)
         # consumer 0's turns are odd phases of its barrier (the first passes at once), consumer 1's even
         mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ (1 - WG))
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(v_prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index(1 - WG))
         s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
         if K_APART:
             mbarrier.arrive(k_empty.index(slot))
         else:
             mbarrier.arrive(k_empty.index(prev))
-        mbarrier.arrive(v_empty.index(prev))
+        mbarrier.arrive(v_empty.index(v_prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
                                              MASKED, CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -329,10 +339,17 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
               v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
               Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr,
+              DESC_ONCE: gl.constexpr, O_TMA: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
-    then their output and lse. Ring slots, turns and Q buffers are counted across tiles."""
+    then their output and lse. Ring slots, turns and Q buffers are counted across tiles.
+
+    O_TMA (an experiment, two Q buffers only): the output goes through the consumer's own half of the
+    tile's Q buffer, free once its S products are done, and a TMA store; the buffer is released
+    for a later tile's Q once the store has read it, not after the loops (the other buffer holds
+    the next tile's Q meanwhile). DESC_ONCE: one descriptor over the whole output, as the
+    producer's; else one per tile over its sequence and head."""
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -342,6 +359,12 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    if O_TMA:
+        gl.static_assert(Q_BUFS == 2, "O_TMA stores through the tile's Q buffer: the next tile's Q needs the other")
+        if DESC_ONCE:
+            o_desc = tma.make_tensor_descriptor(
+                O, [BH // Hq, Hq, Sq, HEAD_DIM], [stride_ob, stride_oh, stride_om, 1], [1, 1, HALF, HEAD_DIM],
+                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
     J = 0  # K / V blocks consumed so far (all tiles)
     T = 0  # turns taken so far
     i = 0
@@ -377,25 +400,27 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
+                                               K_APART,
                                                o_layout, p_layout)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
-                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, K_APART,
+                                               offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
+                                               K_APART,
                                                o_layout, p_layout)
-            # every S of the tile is done: its Q buffer can take a later tile's Q
-            mbarrier.arrive(q_empty.index(qb))
+            if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
+                mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
             _stamp(TRACE_BUF, i, 8 * WG + 3, TRACE)
             nb = gl.maximum(n_blocks, 1)
             last = J + nb - 1
-            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+            mbarrier.wait(v_bars.index(last % V_STAGES), (last // V_STAGES) & 1)
             mbarrier.wait(turn_bars.index(WG), ((T + nb) & 1) ^ (1 - WG))
-            acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma(p, v_smem.index(last % V_STAGES), acc, is_async=True)
             mbarrier.arrive(turn_bars.index(1 - WG))
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             _stamp(TRACE_BUF, i, 8 * WG + 4, TRACE)
-            mbarrier.arrive(v_empty.index(last % STAGES))
+            mbarrier.arrive(v_empty.index(last % V_STAGES))
             if not K_APART:
                 mbarrier.arrive(k_empty.index(last % STAGES))
 
@@ -406,13 +431,28 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             gl.store(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse, mask=offs_m < sq)
             inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
             out = (acc * gl.expand_dims(inv, 1)).to(dtype)
-            st_layout: gl.constexpr = _store_layout(HALF, HEAD_DIM)
-            out = gl.convert_layout(out, st_layout)  # 8-byte stores of whole sectors (_store_layout)
-            o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-            p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
-                   + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
-            gl.store(p_o, out, mask=gl.expand_dims(o_rows < sq, 1))
+            if O_TMA:
+                q.store(out)
+                fence_async_shared()
+                gl.thread_barrier()  # the warpgroup's four warps have written their rows
+                if DESC_ONCE:
+                    tma.async_copy_shared_to_global(o_desc, [off_b.to(gl.int32), off_h.to(gl.int32), row0, 0],
+                                                    q.reshape([1, 1, HALF, HEAD_DIM]))
+                else:
+                    o_tile = tma.make_tensor_descriptor(O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh,
+                                                        [sq, HEAD_DIM], [stride_om, 1], [HALF, HEAD_DIM],
+                                                        q_smem.type.layout)
+                    tma.async_copy_shared_to_global(o_tile, [row0, 0], q)
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(qb))
+            else:
+                st_layout: gl.constexpr = _store_layout(HALF, HEAD_DIM)
+                out = gl.convert_layout(out, st_layout)  # 8-byte stores of whole sectors (_store_layout)
+                o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+                p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
+                       + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
+                gl.store(p_o, out, mask=gl.expand_dims(o_rows < sq, 1))
             _stamp(TRACE_BUF, i, 8 * WG + 5, TRACE)
             J += nb
             T += nb + 1
@@ -428,9 +468,9 @@ def _fwd_ws_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC, TRACE_BUF,
-    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
-    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
@@ -442,21 +482,22 @@ def _fwd_ws_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, HALF, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # both consumers are done with the buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(turn_bars.index(i), count=1)
@@ -466,15 +507,15 @@ def _fwd_ws_kernel(
         (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
+                     STAGES, V_STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, DESC_ONCE, O_TMA)),
         (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
                      q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
                      Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE)),
+                     STAGES, V_STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, DESC_ONCE, O_TMA)),
         (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                      stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
                      BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE)),
+                     BLOCK_N, STAGES, V_STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE)),
     ], [4, 1], [240, 24])
 
 
