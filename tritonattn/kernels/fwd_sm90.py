@@ -209,11 +209,11 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
               Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring of V_STAGES slots
-    (block 0 always: the consumers read it even when no key is visible), and the tile's Q (two 64-row halves) after its
-    first K block, into a Q buffer both consumers are done with. K_APART: a K slot is released as
-    soon as both S products that read it are done, a step before its V slot, so K block
-    j + STAGES - 1 loads while step j runs (else with its V). Runs into the next tile while the
-    consumers finish this one.
+    (block 0 always: the consumers read it even when no key is visible), and the tile's Q (two
+    64-row halves) after its first K block, into a Q buffer both consumers are done with.
+    K_APART: a K slot is released as soon as both S products that read it are done, a step before
+    its V slot, so K block j + STAGES - 1 loads while step j runs (else with its V). Runs into the
+    next tile while the consumers finish this one.
 
     DESC_ONCE (dense calls only): the descriptors span the whole tensors as (batch, head, row, dim),
     made once per program, and a tile's loads give its coordinates; else they are made per tile
@@ -309,8 +309,8 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
-    slots, the V ring V_STAGES. The rings' blocks and
-    the turns count from J and T (0 here; a program that walks several tiles passes what its earlier tiles used)."""
+    slots, the V ring V_STAGES. The rings' blocks and the turns count from J and T (0 here; a
+    program that walks several tiles passes what its earlier tiles used)."""
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
@@ -401,13 +401,11 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART,
-                                               o_layout, p_layout)
+                                               K_APART, o_layout, p_layout)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART,
-                                               o_layout, p_layout)
+                                               K_APART, o_layout, p_layout)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
