@@ -275,15 +275,16 @@ def test_gluon_forward_o_tma_experiment(causal, programs, poison, monkeypatch):
     slots (fwd_sm90.V_SLOTS) and the output through the tile's Q buffer and a TMA store
     (fwd_sm90.O_TMA). On one program per SM and on 7 (many tiles each: the Q buffers and the V ring
     carry across tiles), dense (GQA, a length that is no multiple of the tile) and packed (per-tile
-    descriptors, a sequence of one query and one of no key): the outputs and lse must be bitwise
-    the default kernel's."""
+    descriptors; a sequence of one query and one of no key, long enough on their other side to be
+    in the Gluon kernel's length class with a causal mask too): both calls take the experiment, and
+    the outputs and lse must be bitwise the default kernel's."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
     torch.manual_seed(5)
     q = torch.randn(2, 1500, 8, 128, device=DEVICE, dtype=BF16)
     k, v = (torch.randn(2, 1500, 2, 128, device=DEVICE, dtype=BF16) for _ in range(2))
-    lens_q, lens_k = [1300, 1, 700, 900], [1300, 600, 0, 2000]
+    lens_q, lens_k = [1300, 1, 1100, 900], [1300, 1100, 0, 2000]
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
                   for n in (lens_q, lens_k))
     vq = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16)
@@ -304,13 +305,14 @@ def test_gluon_forward_o_tma_experiment(causal, programs, poison, monkeypatch):
     seen, real = [], launch.launch
 
     def record(fn, grid, args, kwargs):
-        seen.append((fn.__name__, kwargs.get("O_TMA"), kwargs.get("V_STAGES"), kwargs.get("Q_BUFS")))
+        seen.append((fn.__name__, kwargs.get("IS_VARLEN"), kwargs.get("O_TMA"), kwargs.get("V_STAGES"),
+                     kwargs.get("Q_BUFS")))
         real(fn, grid, args, kwargs)
 
     monkeypatch.setattr(launch, "launch", record)
     plan.clear()
     got = both()
-    assert ("_fwd_ws_kernel", True, 2, 2) in seen, seen
+    assert all(("_fwd_ws_kernel", varlen, True, 2, 2) in seen for varlen in (False, True)), seen
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

@@ -47,7 +47,10 @@ def _apply(parts: list[str]) -> dict:
         saved.setdefault(name, getattr(fwd_sm90, name))
         if key:
             d = dict(getattr(fwd_sm90, name))
-            d[ast.literal_eval(key.rstrip("]"))] = value
+            key = ast.literal_eval(key.rstrip("]"))
+            if name == "TILES" and key not in d:
+                raise ValueError(f"fwd_sm90.TILES has no head dim {key}")
+            d[key] = value
             value = d
         setattr(fwd_sm90, name, value)
     return saved

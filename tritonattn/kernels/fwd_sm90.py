@@ -177,13 +177,14 @@ def _n_tiles(n_m, BH, CAUSAL: gl.constexpr):
 
 @gluon.constexpr_function
 def _store_layout(rows, head_dim):
-    """The O store's layout for a consumer's [rows, head_dim] tile: each thread holds 4 contiguous
-    columns (an 8-byte store), a quad of lanes 16 columns of one row (a whole 32-byte sector), the
-    lanes' other bits rows 1, 2, 4, and each warp the same 16 rows as in the wgmma accumulator
-    (register bit: row 8). The accumulator converts into it with one round of warp shuffles, no
-    shared memory (twenty-fourth session: straight from the accumulator, two bf16 per thread and
-    store, the second consumer's epilogue took 2.8 us per tile at D=128; 8 columns per thread
-    needs a 2 KB shared scratch per consumer, which D=128 lacks, or two rounds, no faster)."""
+    """The O store's layout for a consumer's [rows, head_dim] tile (rows = 64, a warpgroup's): each
+    thread holds 4 contiguous columns (an 8-byte store), a quad of lanes 16 columns of one row (a
+    whole 32-byte sector), the lanes' other bits rows 1, 2, 4, and each warp the same 16 rows as in
+    the wgmma accumulator (register bit: row 8). The accumulator converts into it with one round of
+    warp shuffles, no shared memory (twenty-fourth session: straight from the accumulator, two bf16
+    per thread and store, the second consumer's epilogue took 2.8 us per tile at D=128; 8 columns
+    per thread needs a 2 KB shared scratch per consumer, which D=128 lacks, or two rounds, no
+    faster)."""
     reg = [[0, 1], [0, 2], [8, 0]] + [[0, c] for c in (16, 32, 64, 128) if c < head_dim]
     return gl.DistributedLinearLayout(reg, [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
                                       [rows, head_dim])
@@ -442,6 +443,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
                                                         q_smem.type.layout)
                     tma.async_copy_shared_to_global(o_tile, [row0, 0], q)
                 tma.store_wait(0)
+                gl.thread_barrier()  # both warps' stores (a box of 64 columns each at D=128) have read it
                 mbarrier.arrive(q_empty.index(qb))
             else:
                 st_layout: gl.constexpr = _store_layout(HALF, HEAD_DIM)
