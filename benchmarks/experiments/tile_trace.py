@@ -9,9 +9,10 @@ tile's last load issued (p3). Stamps are SM cycles (%clock64, one counter per SM
 compared within a program), printed in ns at the SM clock that the run's own time gives. The
 first tile of each program and tiles past TRACE_TILES are left out.
 
-    python benchmarks/experiments/tile_trace.py [D] [Sq] [Sk] [--causal] [--set=FLAG ...]  # default D=128, Sq=Sk=512
+    python benchmarks/experiments/tile_trace.py [D] [Sq] [Sk] [--causal] [--set=PART ...]  # default D=128, Sq=Sk=512
 
---set=FLAG[=int] sets an experiment switch of fwd_sm90 (a module attribute read at launch) for both runs.
+--set=PART sets an experiment switch of fwd_sm90 for both runs, a part as fwd_flags.py takes it
+(NAME, NAME=LITERAL or NAME[KEY]=LITERAL).
 """
 import os
 import statistics
@@ -26,12 +27,12 @@ from tritonattn import configs  # noqa: E402
 from tritonattn.bench.runner import _bench  # noqa: E402
 from tritonattn.kernels import fwd_sm90, plan  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from fwd_flags import _apply  # noqa: E402  (a setting's parts, as fwd_flags.py takes them)
+
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 causal = "--causal" in sys.argv
-for a in sys.argv[1:]:
-    if a.startswith("--set="):
-        name, _, value = a[len("--set="):].partition("=")
-        setattr(fwd_sm90, name, int(value or 1))
+_apply([a[len("--set="):] for a in sys.argv[1:] if a.startswith("--set=")])
 D = int(args[0]) if args else 128
 Sq = int(args[1]) if len(args) > 1 else 512
 Sk = int(args[2]) if len(args) > 2 else Sq

@@ -392,7 +392,7 @@ def attention_forward(q, k, v, var: Variants):
                           maxnreg=fwd_sm90.MAXNREG,
                           IS_VARLEN=var.varlen, K_APART=k_apart,
                           DESC_ONCE=fwd_sm90.desc_once(q, k, v, var.varlen),
-                          TRACE=fwd_sm90.TRACE_BUF is not None, O_TMA=fwd_sm90.O_TMA and q_bufs == 2))
+                          TRACE=fwd_sm90.TRACE_BUF is not None, O_TMA=fwd_sm90.O_TMA))
             continue
         if flags is None:
             heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)

@@ -430,6 +430,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             gl.store(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, lse, mask=offs_m < sq)
             inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
             out = (acc * gl.expand_dims(inv, 1)).to(dtype)
+            o_base = O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh  # the tile's sequence and head
             if O_TMA:
                 q.store(out)
                 fence_async_shared()
@@ -438,8 +439,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
                     tma.async_copy_shared_to_global(o_desc, [off_b.to(gl.int32), off_h.to(gl.int32), row0, 0],
                                                     q.reshape([1, 1, HALF, HEAD_DIM]))
                 else:
-                    o_tile = tma.make_tensor_descriptor(O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh,
-                                                        [sq, HEAD_DIM], [stride_om, 1], [HALF, HEAD_DIM],
+                    o_tile = tma.make_tensor_descriptor(o_base, [sq, HEAD_DIM], [stride_om, 1], [HALF, HEAD_DIM],
                                                         q_smem.type.layout)
                     tma.async_copy_shared_to_global(o_tile, [row0, 0], q)
                 tma.store_wait(0)
@@ -450,8 +450,7 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
                 out = gl.convert_layout(out, st_layout)  # 8-byte stores of whole sectors (_store_layout)
                 o_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
                 o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-                p_o = (O + off_b * stride_ob + q_start * stride_om + off_h * stride_oh
-                       + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0))
+                p_o = o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0)
                 gl.store(p_o, out, mask=gl.expand_dims(o_rows < sq, 1))
             _stamp(TRACE_BUF, i, 8 * WG + 5, TRACE)
             J += nb
