@@ -103,8 +103,10 @@ def main(argv=None) -> int:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, o_tma=False,
-            **kw):
+            consumers=None, **kw):
         with contextlib.ExitStack() as stack:
+            if consumers:  # the Gluon forward with this many consumer warpgroups (fwd_sm90.CONSUMERS)
+                stack.enter_context(mock.patch.object(fwd_sm90, "CONSUMERS", {D: consumers}))
             if o_tma:  # the Gluon forward's experiment: two Q buffers, two V slots, O through a TMA store
                 tiles = dict(fwd_sm90.TILES)
                 tiles[D] = (tiles[D][0], tiles[D][1], 2, tiles[D][3])
@@ -219,6 +221,11 @@ def main(argv=None) -> int:
                 (f"gluon-o-tma-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
                                                                               fwd_only=True)),
                 (f"gluon-o-tma-varlen-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
+                                                                              varlen=True, fwd_only=True)),
+                # the Gluon forward with three consumer warpgroups at D=64 (fwd_sm90.CONSUMERS), dense and packed
+                (f"gluon-nc3-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, consumers=3,
+                                                                              fwd_only=True)),
+                (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, consumers=3,
                                                                               varlen=True, fwd_only=True)),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,

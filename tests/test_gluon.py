@@ -319,7 +319,7 @@ def test_varlen_launch(monkeypatch):
     assert not kwargs["DESC_ONCE"]  # a packed call's descriptors are per sequence
     # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
     # most one per tile: the longest sequence's query blocks x sequences x heads
-    assert grid == (-(-3000 // fwd_sm90.BLOCK_M.value) * 2 * 8,), grid
+    assert grid == (-(-3000 // fwd_sm90.block_m(128)) * 2 * 8,), grid
     # then B x Hq, the causal order's heads per section and the trace buffer (off: lse, not read)
     assert args[-3] == 2 * 8 and args[-2] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
     assert args[-1] is lse and not kwargs["TRACE"]

@@ -268,27 +268,47 @@ def test_gluon_forward_expanded_kv(broadcast, causal, poison, monkeypatch):
     check_against_reference(qg, kc, vc, out, lse, torch.autograd.grad(out2, (qg, kc, vc), dout), dout, causal)
 
 
+def _o_tma(D):
+    """The twenty-fourth session's experiment: two Q buffers, two V slots, O through a TMA store."""
+    tiles = dict(fwd.fwd_sm90.TILES)
+    tiles[D] = (tiles[D][0], tiles[D][1], 2, tiles[D][3])
+    return dict(TILES=tiles, V_SLOTS={D: 2}, O_TMA=True), dict(O_TMA=True, V_STAGES=2, Q_BUFS=2)
+
+
+# experiments of the Gluon forward: head dim -> (fwd_sm90 attributes to set, launch kwargs they must give)
+_FWD_EXPERIMENTS = {
+    "o-tma-D128": lambda: (128, *_o_tma(128)),
+    "three-consumers-D64": lambda: (64, dict(CONSUMERS={64: 3}), dict(NC=3)),
+    "three-consumers-o-tma-D64": lambda: (64, dict(_o_tma(64)[0], CONSUMERS={64: 3}), dict(_o_tma(64)[1], NC=3)),
+}
+
+
+@pytest.mark.parametrize("experiment", list(_FWD_EXPERIMENTS))
 @pytest.mark.parametrize("programs", [None, 7], ids=["per-SM", "7-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_o_tma_experiment(causal, programs, poison, monkeypatch):
-    """The Gluon forward's experiment of the twenty-fourth session at D=128: two Q buffers, two V
-    slots (fwd_sm90.V_SLOTS) and the output through the tile's Q buffer and a TMA store
-    (fwd_sm90.O_TMA). On one program per SM and on 7 (many tiles each: the Q buffers and the V ring
-    carry across tiles), dense (GQA, a length that is no multiple of the tile) and packed (per-tile
-    descriptors; a sequence of one query and one of no key, long enough on their other side to be
-    in the Gluon kernel's length class with a causal mask too): both calls take the experiment, and
-    the outputs and lse must be bitwise the default kernel's."""
+def test_gluon_forward_experiments(experiment, causal, programs, poison, monkeypatch):
+    """The Gluon forward's experiments (switches of fwd_sm90, off by default): at D=128 two Q
+    buffers, two V slots (V_SLOTS) and the output through the tile's Q buffer and a TMA store
+    (O_TMA, twenty-fourth session); at D=64 three consumer warpgroups (CONSUMERS, 192-row tiles;
+    twenty-fifth session), also with O_TMA. On one program per SM and on 7 (many tiles each: the Q
+    buffers, the rings and the turns carry across tiles), dense (GQA, a length that is no multiple
+    of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key): the
+    Gluon kernel at every length here (GLUON_MIN_SEQLEN 0), both calls take the experiment, and the
+    outputs and lse must be bitwise the default kernel's (a row's arithmetic is the same: the key
+    blocks a larger tile visits past a row's diagonal add exact zeros)."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    D, attrs, expect = _FWD_EXPERIMENTS[experiment]()
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["fwd"], D, (0, 0))
     torch.manual_seed(5)
-    q = torch.randn(2, 1500, 8, 128, device=DEVICE, dtype=BF16)
-    k, v = (torch.randn(2, 1500, 2, 128, device=DEVICE, dtype=BF16) for _ in range(2))
+    q = torch.randn(2, 1500, 8, D, device=DEVICE, dtype=BF16)
+    k, v = (torch.randn(2, 1500, 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
     lens_q, lens_k = [1300, 1, 1100, 900], [1300, 1100, 0, 2000]
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
                   for n in (lens_q, lens_k))
-    vq = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16)
-    vk, vv = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16) for _ in range(2))
+    vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
+    vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
 
     def both():
         return (flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
@@ -297,22 +317,19 @@ def test_gluon_forward_o_tma_experiment(causal, programs, poison, monkeypatch):
 
     plan.clear()
     ref = both()
-    tiles = dict(fwd.fwd_sm90.TILES)
-    tiles[128] = (tiles[128][0], tiles[128][1], 2, tiles[128][3])
-    monkeypatch.setattr(fwd.fwd_sm90, "TILES", tiles)
-    monkeypatch.setattr(fwd.fwd_sm90, "V_SLOTS", {128: 2})
-    monkeypatch.setattr(fwd.fwd_sm90, "O_TMA", True)
+    for name, value in attrs.items():
+        monkeypatch.setattr(fwd.fwd_sm90, name, value)
     seen, real = [], launch.launch
 
     def record(fn, grid, args, kwargs):
-        seen.append((fn.__name__, kwargs.get("IS_VARLEN"), kwargs.get("O_TMA"), kwargs.get("V_STAGES"),
-                     kwargs.get("Q_BUFS")))
+        if fn.__name__ == "_fwd_ws_kernel" and all(kwargs.get(key) == value for key, value in expect.items()):
+            seen.append(kwargs["IS_VARLEN"])
         real(fn, grid, args, kwargs)
 
     monkeypatch.setattr(launch, "launch", record)
     plan.clear()
     got = both()
-    assert all(("_fwd_ws_kernel", varlen, True, 2, 2) in seen for varlen in (False, True)), seen
+    assert sorted(set(seen)) == [False, True], seen
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

@@ -53,11 +53,13 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # before their V (twentieth session): at D=256 1.12-1.29x (2 slots: K_{j+1} had waited for step j);
 # at D=128 / 64 (3 / 4 slots) -3..+2% (the llama shape's causal S=8192 -3%, twice), so they keep K
 # and V released together.
-BLOCK_M = gl.constexpr(128)  # the kernel's and the launcher's (``BLOCK_M.value``)
 TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
 # experiment (twenty-fourth session): V ring slots by head dim where they differ from the K ring's
 # (TILES' second entry), e.g. {128: 2}: with a second Q buffer that fits where a third V slot was
 V_SLOTS: dict = {}
+# experiment (twenty-fifth session): consumer warpgroups by head dim where not 2, e.g. {64: 3}: a tile
+# of 64 rows per consumer (block_m), the turns passed round the consumers
+CONSUMERS: dict = {}
 O_TMA = False  # experiment (twenty-fourth session): the output through the Q buffer and a TMA store (_consumer)
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
@@ -68,6 +70,21 @@ TRACE_BUF = None
 TRACE_TILES = gl.constexpr(64)
 TRACE_SLOTS = gl.constexpr(24)
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
+# three consumers: 16 warps x 128 registers (setmaxnreg: 160 to each consumer thread, 24 to the producer's)
+MAXNREG_3 = 128
+
+
+def block_m(head_dim: int) -> int:
+    """Query rows per tile at ``head_dim``: 64 per consumer warpgroup."""
+    return 64 * CONSUMERS.get(head_dim, 2)
+
+
+def tile_flags(head_dim: int) -> dict:
+    """The kernel's tile constexprs and launch options at ``head_dim`` (TILES, V_SLOTS, CONSUMERS)."""
+    block_n, stages, q_bufs, k_apart = TILES[head_dim]
+    nc = CONSUMERS.get(head_dim, 2)
+    return dict(BLOCK_N=block_n, STAGES=stages, V_STAGES=V_SLOTS.get(head_dim, stages), Q_BUFS=q_bufs,
+                K_APART=k_apart, NC=nc, num_warps=NUM_WARPS, maxnreg=MAXNREG if nc == 2 else MAXNREG_3)
 
 
 @gluon.jit
@@ -94,8 +111,8 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
 
 @gluon.jit
 def _tile(t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI,
-          CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """Tile t (128 query rows of one sequence and query head): whether it is one (see _n_tiles), its
+          CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Tile t (BLOCK_M query rows of one sequence and query head): whether it is one (see _n_tiles), its
     first row, batch, head, kv head, first query and key token (0 but for IS_VARLEN), query and key
     lengths, causal shift, key blocks and unmasked key blocks. Without a mask: a head's query
     blocks one after the other. Causal: SEC heads at a time (a section: heads whose K / V fit in L2
@@ -203,15 +220,14 @@ def _stamp(TRACE_BUF, i, slot: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-              stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH,
-              SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr, DESC_ONCE: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr):
+def _producer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr, IS_VARLEN: gl.constexpr,
+              DESC_ONCE: gl.constexpr, TRACE: gl.constexpr):
     """TMA loads, tile after tile: K block j into K ring slot (J + j) % STAGES once both consumers
     released the K block that was there, V block j likewise into the V ring of V_STAGES slots
-    (block 0 always: the consumers read it even when no key is visible), and the tile's Q (two
-    64-row halves) after its first K block, into a Q buffer both consumers are done with.
+    (block 0 always: the consumers read it even when no key is visible), and the tile's Q (NC
+    pieces of 64 rows, a consumer's each) after its first K block, into a Q buffer every consumer
+    is done with.
     K_APART: a K slot is released as soon as both S products that read it are done, a step before
     its V slot, so K block j + STAGES - 1 loads while step j runs (else with its V). Runs into the
     next tile while the consumers finish this one.
@@ -219,8 +235,13 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     DESC_ONCE (dense calls only): the descriptors span the whole tensors as (batch, head, row, dim),
     made once per program, and a tile's loads give its coordinates; else they are made per tile
     over its sequence and head, and a tile's first loads wait until every load through the last
-    tile's descriptors has landed (their scratch is rewritten)."""
-    HALF: gl.constexpr = BLOCK_M // 2
+    tile's descriptors has landed (their scratch is rewritten). ``args``: the kernel's runtime values
+    (see _consumer)."""
+    (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq,
+     Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, TRACE_BUF) = args
+    HALF: gl.constexpr = 64  # a consumer's rows
+    BLOCK_M: gl.constexpr = NC * HALF
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     if DESC_ONCE:
@@ -235,8 +256,8 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
     i = 0  # this program's tiles so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_N,
-            IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_M,
+            BLOCK_N, IS_VARLEN)
         k_rows = sk
         if IS_VARLEN:
             live = live & (start_m < sq)
@@ -278,9 +299,9 @@ def _producer(Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, st
                     qb = i % Q_BUFS
                     mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
                     _stamp(TRACE_BUF, i, 18, TRACE)
-                    mbarrier.expect(q_bars.index(qb), 2 * q_desc.block_type.nbytes)
-                    for c in gl.static_range(2):
-                        _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(2 * qb + c),
+                    mbarrier.expect(q_bars.index(qb), NC * q_desc.block_type.nbytes)
+                    for c in gl.static_range(NC):
+                        _load_tile(q_desc, b32, h32, start_m + c * HALF, q_bars.index(qb), q_smem.index(NC * qb + c),
                                    DESC_ONCE)
                 v_slot = jj % V_STAGES
                 mbarrier.wait(v_empty.index(v_slot), ((jj // V_STAGES) & 1) ^ 1)
@@ -302,8 +323,8 @@ def _load_tile(desc, b, h, row, bar, dst, DESC_ONCE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, turn_bars,
-                    acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
+def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem, v_smem, k_bars, v_bars, k_empty,
+                    v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -312,17 +333,19 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
     slots, the V ring V_STAGES. The rings' blocks and the turns count from J and T (0 here; a
     program that walks several tiles passes what its earlier tiles used)."""
+    FIRST: gl.constexpr = 1 if WG == 0 else 0
     for j in range(lo, hi):
         slot = (J + j) % STAGES
         prev = (J + j - 1) % STAGES
         v_prev = (J + j - 1) % V_STAGES
         mbarrier.wait(k_bars.index(slot), ((J + j) // STAGES) & 1)
         mbarrier.wait(v_bars.index(v_prev), ((J + j - 1) // V_STAGES) & 1)
-        # consumer 0's turns are odd phases of its barrier (the first passes at once), consumer 1's even
-        mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ (1 - WG))
+        # turn k of consumer c waits for phase k of its barrier (consumer c - 1's turn k); consumer 0's
+        # for phase k - 1 (consumer NC - 1's turn k - 1: the first passes at once)
+        mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ FIRST)
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(v_prev), acc, is_async=True)
-        mbarrier.arrive(turn_bars.index(1 - WG))
+        mbarrier.arrive(turn_bars.index((WG + 1) % NC))
         s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
         if K_APART:
             mbarrier.arrive(k_empty.index(slot))
@@ -337,21 +360,26 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, q, k_smem, v_smem, k_bars, v
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem,
-              v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
-              Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr, IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE_BUF, TRACE: gl.constexpr,
-              DESC_ONCE: gl.constexpr, O_TMA: gl.constexpr):
+def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
+              IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
+              O_TMA: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
-    then their output and lse. Ring slots, turns and Q buffers are counted across tiles.
+    then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
+    the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
+    Gluon code turns its constexprs into tensors, so those come apart).
 
     O_TMA (an experiment, two Q buffers only): the output goes through the consumer's own half of the
     tile's Q buffer, free once its S products are done, and a TMA store; the buffer is released
     for a later tile's Q once the store has read it, not after the loops (the other buffer holds
     the next tile's Q meanwhile). DESC_ONCE: one descriptor over the whole output, as the
     producer's; else one per tile over its sequence and head."""
-    HALF: gl.constexpr = BLOCK_M // 2
+    (O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem, q_bars, q_empty,
+     k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right,
+     CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF) = args
+    HALF: gl.constexpr = 64  # a consumer's rows
+    BLOCK_M: gl.constexpr = NC * HALF
+    FIRST: gl.constexpr = 1 if WG == 0 else 0
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -371,8 +399,8 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
     i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         live, start_m, off_b, off_h, off_hk, q_start, k_start, sq, sk, shift, n_blocks, n_full = _tile(
-            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_N,
-            IS_VARLEN)
+            t, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, BLOCK_M,
+            BLOCK_N, IS_VARLEN)
         if IS_VARLEN:
             live = live & (start_m < sq)
         if live:
@@ -383,27 +411,27 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
             qb = i % Q_BUFS
-            q = q_smem.index(2 * qb + WG)
+            q = q_smem.index(NC * qb + WG)
 
             # block 0 (always, masked)
             mbarrier.wait(q_bars.index(qb), (i // Q_BUFS) & 1)
             _stamp(TRACE_BUF, i, 8 * WG + 1, TRACE)
             mbarrier.wait(k_bars.index(J % STAGES), (J // STAGES) & 1)
-            mbarrier.wait(turn_bars.index(WG), (T & 1) ^ (1 - WG))
+            mbarrier.wait(turn_bars.index(WG), (T & 1) ^ FIRST)
             _stamp(TRACE_BUF, i, 8 * WG + 2, TRACE)
             s = warpgroup_mma(q, k_smem.index(J % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.arrive(turn_bars.index(1 - WG))
+            mbarrier.arrive(turn_bars.index((WG + 1) % NC))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)
 
-            acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, q, k_smem, v_smem, k_bars,
+            acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
                                                K_APART, o_layout, p_layout)
-            acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, q, k_smem, v_smem, k_bars,
+            acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
                                                K_APART, o_layout, p_layout)
@@ -414,9 +442,9 @@ def _consumer(WG: gl.constexpr, O, LSE, stride_ob, stride_om, stride_oh, stride_
             nb = gl.maximum(n_blocks, 1)
             last = J + nb - 1
             mbarrier.wait(v_bars.index(last % V_STAGES), (last // V_STAGES) & 1)
-            mbarrier.wait(turn_bars.index(WG), ((T + nb) & 1) ^ (1 - WG))
+            mbarrier.wait(turn_bars.index(WG), ((T + nb) & 1) ^ FIRST)
             acc = warpgroup_mma(p, v_smem.index(last % V_STAGES), acc, is_async=True)
-            mbarrier.arrive(turn_bars.index(1 - WG))
+            mbarrier.arrive(turn_bars.index((WG + 1) % NC))
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             _stamp(TRACE_BUF, i, 8 * WG + 4, TRACE)
             mbarrier.arrive(v_empty.index(last % V_STAGES))
@@ -469,17 +497,20 @@ def _fwd_ws_kernel(
     Hq, GROUP, Sq, Sk, win_right, qk_scale, BH, SEC, TRACE_BUF,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
-    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False,
+    DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    HALF: gl.constexpr = BLOCK_M // 2
+    gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
+    gl.static_assert((NC == 2) | (not TRACE), "the trace's slots are laid out for two consumers")
+    HALF: gl.constexpr = 64  # a consumer's rows
+    BLOCK_M: gl.constexpr = NC * HALF
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     n_m = gl.cdiv(Sq, BLOCK_M)
     n_tiles = _n_tiles(n_m, BH, CAUSAL)
     causal_shift = Sk - Sq + win_right  # (IS_VARLEN: per sequence, in _tile)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, HALF, HEAD_DIM], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC * Q_BUFS, HALF, HEAD_DIM], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], tile_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -488,34 +519,44 @@ def _fwd_ws_kernel(
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers are done with the buffer
+        mbarrier.init(q_empty.index(i), count=NC)  # every consumer is done with the buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=NC)  # every consumer releases a slot
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    for i in gl.static_range(2):
+        mbarrier.init(v_empty.index(i), count=NC)
+    for i in gl.static_range(NC):
         mbarrier.init(turn_bars.index(i), count=1)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_consumer, (0, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
-                     Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, V_STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, DESC_ONCE, O_TMA)),
-        (_consumer, (1, O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem,
-                     q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP,
-                     Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, CAUSAL, HEAD_DIM, BLOCK_N,
-                     STAGES, V_STAGES, Q_BUFS, IS_VARLEN, K_APART, TRACE_BUF, TRACE, DESC_ONCE, O_TMA)),
-        (_producer, (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                     stride_vh, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m,
-                     BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, CAUSAL, HEAD_DIM,
-                     BLOCK_N, STAGES, V_STAGES, Q_BUFS, IS_VARLEN, DESC_ONCE, TRACE_BUF, TRACE)),
-    ], [4, 1], [240, 24])
+    args = (O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem, q_bars,
+            q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
+            causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF)
+    pargs = (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+             q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH, SEC, Hq,
+             GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, TRACE_BUF)
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
+                         DESC_ONCE, O_TMA)),
+            (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
+                         DESC_ONCE, O_TMA)),
+            (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
+            [4, 1], [240, 24])
+    else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
+        gl.warp_specialize([
+            (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
+                         DESC_ONCE, O_TMA)),
+            (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
+                         DESC_ONCE, O_TMA)),
+            (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
+                         DESC_ONCE, O_TMA)),
+            (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
+            [4, 4, 1], [160, 160, 24])
 
 
 def grid(q, n_tiles: int) -> tuple[int]:
