@@ -101,16 +101,14 @@ def main(argv=None) -> int:
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False)  # the Gluon forward's D=128 tile before the twenty-fifth session
+    NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's tile without a mask
 
-    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, o_tma=False,
-            consumers=None, **kw):
+    def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, fwd_tile=None,
+            **kw):
         with contextlib.ExitStack() as stack:
-            if consumers:  # the Gluon forward with this many consumer warpgroups (fwd_sm90.CONSUMERS)
-                stack.enter_context(mock.patch.object(fwd_sm90, "CONSUMERS", {D: consumers}))
-            if o_tma:  # the Gluon forward's experiment: two Q buffers, two V slots, O through a TMA store
-                tiles = dict(fwd_sm90.TILES)
-                tiles[D] = (tiles[D][0], tiles[D][1], 2, tiles[D][3])
-                stack.enter_context(mock.patch.multiple(fwd_sm90, TILES=tiles, V_SLOTS={D: 2}, O_TMA=True))
+            if fwd_tile:  # the Gluon forward with this tile at D, with a mask or without (fwd_sm90.BY_MASK)
+                stack.enter_context(mock.patch.object(fwd_sm90, "BY_MASK", {(D, False): fwd_tile, (D, True): fwd_tile}))
             if trace:  # the Gluon forward with its cycle stamps (benchmarks/experiments/tile_trace.py)
                 buf = torch.zeros(4, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64)
                 stack.enter_context(mock.patch.object(fwd_sm90, "TRACE_BUF", buf))
@@ -217,15 +215,15 @@ def main(argv=None) -> int:
                 # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)
                 (f"gluon-trace-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, trace=True,
                                                                               fwd_only=True)),
-                # the Gluon forward's O_TMA experiment (fwd_sm90.O_TMA, V_SLOTS, two Q buffers), dense and packed
-                (f"gluon-o-tma-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
+                # the Gluon forward's plain tile at D=128 (one Q buffer, 3 V slots, the output stored from
+                # registers), and three consumers at D=64 with a causal mask (fwd_sm90.TILES, BY_MASK), dense and packed
+                (f"gluon-plain-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
+                                                                              fwd_tile=PLAIN)),
+                (f"gluon-plain-varlen-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, varlen=True,
+                                                                              fwd_only=True, fwd_tile=PLAIN)),
+                (f"gluon-nc3-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_tile=NC3,
                                                                               fwd_only=True)),
-                (f"gluon-o-tma-varlen-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, o_tma=True,
-                                                                              varlen=True, fwd_only=True)),
-                # the Gluon forward with three consumer warpgroups at D=64 (fwd_sm90.CONSUMERS), dense and packed
-                (f"gluon-nc3-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, consumers=3,
-                                                                              fwd_only=True)),
-                (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, consumers=3,
+                (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_tile=NC3,
                                                                               varlen=True, fwd_only=True)),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,

@@ -319,7 +319,7 @@ def test_varlen_launch(monkeypatch):
     assert not kwargs["DESC_ONCE"]  # a packed call's descriptors are per sequence
     # the persistent grid: one program per SM (fwd_sm90.PROGRAMS, here more than the tiles), at
     # most one per tile: the longest sequence's query blocks x sequences x heads
-    assert grid == (-(-3000 // fwd_sm90.block_m(128)) * 2 * 8,), grid
+    assert grid == (-(-3000 // fwd_sm90.block_m(128, True)) * 2 * 8,), grid
     # then B x Hq, the causal order's heads per section and the trace buffer (off: lse, not read)
     assert args[-3] == 2 * 8 and args[-2] == fwd_sm90.section_heads(16, 4, 2500, q) == 16
     assert args[-1] is lse and not kwargs["TRACE"]
@@ -584,9 +584,9 @@ def test_dkdv_desc_3d_switch_is_in_the_plan_key(monkeypatch):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_forward_launch_by_head_dim(monkeypatch, D, causal):
     """A dense forward from the Gluon kernel's first length (CPU tensors as if on sm_90; the launch
-    recorded) takes its head dim's tile from fwd_sm90.TILES: key block, slots, Q buffers and K_APART
-    (the K ring released before V: D=256 only, where it was measured to gain), and one length
-    short of it the Triton kernel."""
+    recorded) takes its head dim's tile from fwd_sm90.TILES and BY_MASK: key block, slots, Q buffers,
+    K_APART (the K ring released before V: D=256 only, where it was measured to gain), O_TMA and the
+    consumers, and one length short of it the Triton kernel."""
     from tritonattn.kernels import launch, plan
 
     monkeypatch.setattr(fwd, "GLUON", True)
@@ -604,10 +604,14 @@ def test_forward_launch_by_head_dim(monkeypatch, D, causal):
         assert [name for name, _ in seen] == [kernel], (S, seen)
         launched[S] = seen[0][1]
     kwargs = launched[first]
-    block_n, stages, q_bufs, k_apart = fwd.fwd_sm90.TILES[D]
-    assert (kwargs["BLOCK_N"], kwargs["STAGES"], kwargs["Q_BUFS"], kwargs["K_APART"]) == (block_n, stages, q_bufs,
-                                                                                       k_apart)
+    tile = fwd.fwd_sm90.tile(D, causal)
+    assert {name: kwargs[name] for name in tile} == tile, kwargs
     assert kwargs["K_APART"] == (D == 256) and kwargs["CAUSAL"] == causal and kwargs["HEAD_DIM"] == D, kwargs
+    # the output through a TMA store from two Q buffers at D=128, and at D=64 without a mask with
+    # three consumer warpgroups (192-row tiles), with their register cap
+    assert kwargs["O_TMA"] == (D == 128 or (D, causal) == (64, False)) and kwargs["Q_BUFS"] == 1 + kwargs["O_TMA"]
+    assert kwargs["NC"] == (3 if (D, causal) == (64, False) else 2), kwargs
+    assert kwargs["maxnreg"] == (fwd.fwd_sm90.MAXNREG_3 if kwargs["NC"] == 3 else fwd.fwd_sm90.MAXNREG), kwargs
     # dense: descriptors over the whole tensors, built once per program (DESC_ONCE)
     assert kwargs["DESC_ONCE"], kwargs
 

@@ -268,37 +268,32 @@ def test_gluon_forward_expanded_kv(broadcast, causal, poison, monkeypatch):
     check_against_reference(qg, kc, vc, out, lse, torch.autograd.grad(out2, (qg, kc, vc), dout), dout, causal)
 
 
-def _o_tma(D):
-    """The twenty-fourth session's experiment: two Q buffers, two V slots, O through a TMA store."""
-    tiles = dict(fwd.fwd_sm90.TILES)
-    tiles[D] = (tiles[D][0], tiles[D][1], 2, tiles[D][3])
-    return dict(TILES=tiles, V_SLOTS={D: 2}, O_TMA=True), dict(O_TMA=True, V_STAGES=2, Q_BUFS=2)
-
-
-# experiments of the Gluon forward: head dim -> (fwd_sm90 attributes to set, launch kwargs they must give)
-_FWD_EXPERIMENTS = {
-    "o-tma-D128": lambda: (128, *_o_tma(128)),
-    "three-consumers-D64": lambda: (64, dict(CONSUMERS={64: 3}), dict(NC=3)),
-    "three-consumers-o-tma-D64": lambda: (64, dict(_o_tma(64)[0], CONSUMERS={64: 3}), dict(_o_tma(64)[1], NC=3)),
+_PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False)  # D=128's Gluon tile before the twenty-fifth session
+_NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's without a mask
+# the Gluon forward's tiles against a plainer one: name -> (head dim, BY_MASK of the reference, of the run)
+_FWD_TILES = {
+    "D128-default-vs-plain": (128, {(128, False): _PLAIN, (128, True): _PLAIN}, None),
+    "D64-default-vs-two-consumers": (64, {}, None),
+    "D64-three-consumers-also-causal": (64, {}, {(64, False): _NC3, (64, True): _NC3}),
 }
 
 
-@pytest.mark.parametrize("experiment", list(_FWD_EXPERIMENTS))
+@pytest.mark.parametrize("tiles", list(_FWD_TILES))
 @pytest.mark.parametrize("programs", [None, 7], ids=["per-SM", "7-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_experiments(experiment, causal, programs, poison, monkeypatch):
-    """The Gluon forward's experiments (switches of fwd_sm90, off by default): at D=128 two Q
-    buffers, two V slots (V_SLOTS) and the output through the tile's Q buffer and a TMA store
-    (O_TMA, twenty-fourth session); at D=64 three consumer warpgroups (CONSUMERS, 192-row tiles;
-    twenty-fifth session), also with O_TMA. On one program per SM and on 7 (many tiles each: the Q
+def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatch):
+    """The Gluon forward's tiles (fwd_sm90.TILES, BY_MASK) against plainer ones, bitwise: at D=128 two
+    Q buffers, two V slots and the output through the tile's Q buffer and a TMA store (O_TMA)
+    against one Q buffer, three V slots and the output stored from registers; at D=64 three
+    consumer warpgroups (192-row tiles) with O_TMA without a mask, and also with one, against two
+    consumers. A row's arithmetic is the same in all (the key blocks a larger tile visits past a
+    row's diagonal add exact zeros). On one program per SM and on 7 (many tiles each: the Q
     buffers, the rings and the turns carry across tiles), dense (GQA, a length that is no multiple
-    of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key): the
-    Gluon kernel at every length here (GLUON_MIN_SEQLEN 0), both calls take the experiment, and the
-    outputs and lse must be bitwise the default kernel's (a row's arithmetic is the same: the key
-    blocks a larger tile visits past a row's diagonal add exact zeros)."""
+    of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key); the
+    Gluon kernel at every length here (GLUON_MIN_SEQLEN 0), and both calls take the tile asked for."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
-    D, attrs, expect = _FWD_EXPERIMENTS[experiment]()
+    D, ref_tiles, run_tiles = _FWD_TILES[tiles]
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
     monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["fwd"], D, (0, 0))
     torch.manual_seed(5)
@@ -309,27 +304,28 @@ def test_gluon_forward_experiments(experiment, causal, programs, poison, monkeyp
                   for n in (lens_q, lens_k))
     vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
     vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
-
-    def both():
-        return (flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
-                + flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                         return_attn_probs=True)[:2])
-
-    plan.clear()
-    ref = both()
-    for name, value in attrs.items():
-        monkeypatch.setattr(fwd.fwd_sm90, name, value)
     seen, real = [], launch.launch
 
     def record(fn, grid, args, kwargs):
-        if fn.__name__ == "_fwd_ws_kernel" and all(kwargs.get(key) == value for key, value in expect.items()):
-            seen.append(kwargs["IS_VARLEN"])
+        if fn.__name__ == "_fwd_ws_kernel":
+            seen.append((kwargs["IS_VARLEN"], {name: kwargs[name] for name in fwd.fwd_sm90.tile(D, causal)}))
         real(fn, grid, args, kwargs)
 
+    def both(by_mask):
+        monkeypatch.setattr(fwd.fwd_sm90, "BY_MASK", by_mask)
+        seen.clear()
+        plan.clear()
+        out = (flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
+               + flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                        return_attn_probs=True)[:2])
+        want = fwd.fwd_sm90.tile(D, causal)
+        assert sorted({varlen for varlen, _ in seen}) == [False, True] and all(t == want for _, t in seen), seen
+        return out
+
+    default = dict(fwd.fwd_sm90.BY_MASK)
     monkeypatch.setattr(launch, "launch", record)
-    plan.clear()
-    got = both()
-    assert sorted(set(seen)) == [False, True], seen
+    ref = both(ref_tiles)
+    got = both(default if run_tiles is None else run_tiles)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

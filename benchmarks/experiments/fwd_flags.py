@@ -9,10 +9,11 @@ replays, the best of two alternating rounds, with cuDNN beside. Shapes: the fa g
 hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32, Hkv=8).
 
     python benchmarks/experiments/fwd_flags.py --settings table - \
-        "V_SLOTS[128]=2+TILES[128]=(128,3,2,False)" --head-dims 128 --seqlens 512 2048 [--causal no yes] [--llama]
+        "TILES[128][O_TMA]=False+TILES[128][Q_BUFS]=1" --head-dims 128 --seqlens 512 2048 [--causal no yes] [--llama]
 
-(Switches measured with it, twenty-fourth session: O_SHFL, the O store's layouts, now the kernel's
-only store; Q_PREFETCH, removed.)
+(Switches measured with it: twenty-fourth session, O_SHFL, the O store's layouts, now the kernel's
+only store; Q_PREFETCH, removed; twenty-fifth session, V_STAGES / Q_BUFS / O_TMA and NC, now in TILES
+and BY_MASK.)
 """
 
 from __future__ import annotations
@@ -34,25 +35,37 @@ from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.kernels import fwd_sm90, plan  # noqa: E402
 
 
+def _key(text: str):
+    """A key of NAME[KEY]: a Python literal, else the text (a field name such as O_TMA)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def _apply(parts: list[str]) -> dict:
-    """Set a setting's parts on fwd_sm90: NAME (= 1), NAME=LITERAL or NAME[KEY]=LITERAL (an entry of a
-    dict attribute, set on a copy); returns the attributes' old values."""
+    """Set a setting's parts on fwd_sm90: NAME (= 1), NAME=LITERAL or NAME[KEY]...[KEY]=LITERAL (an
+    entry of a dict attribute, nested dicts copied on the way: TILES[128][O_TMA]=False,
+    BY_MASK[(64,True)]={'NC':3}); returns the attributes' old values."""
     saved = {}
     for part in parts:
         if part in ("-", "table"):
             continue
         target, _, value = part.partition("=")
         value = ast.literal_eval(value) if value else 1
-        name, _, key = target.partition("[")
+        name, *keys = target.rstrip("]").replace("][", "[").split("[")
         saved.setdefault(name, getattr(fwd_sm90, name))
-        if key:
-            d = dict(getattr(fwd_sm90, name))
-            key = ast.literal_eval(key.rstrip("]"))
-            if name == "TILES" and key not in d:
-                raise ValueError(f"fwd_sm90.TILES has no head dim {key}")
-            d[key] = value
-            value = d
-        setattr(fwd_sm90, name, value)
+        if name == "TILES" and keys and _key(keys[0]) not in fwd_sm90.TILES:
+            raise ValueError(f"fwd_sm90.TILES has no head dim {keys[0]}")
+        top = value
+        if keys:
+            top = dict(getattr(fwd_sm90, name))
+            d = top
+            for k in keys[:-1]:
+                d[_key(k)] = dict(d.get(_key(k), {}))
+                d = d[_key(k)]
+            d[_key(keys[-1])] = value
+        setattr(fwd_sm90, name, top)
     return saved
 
 

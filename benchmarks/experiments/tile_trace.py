@@ -50,7 +50,7 @@ def run():
 plan.clear()
 ref = run()
 plain_ms = _bench(run)
-programs = fwd_sm90.grid(q, -(-Sq // fwd_sm90.block_m(D)) * B * H)[0]
+programs = fwd_sm90.grid(q, -(-Sq // fwd_sm90.block_m(D, causal)) * B * H)[0]
 trace = torch.zeros(programs, fwd_sm90.TRACE_TILES.value, fwd_sm90.TRACE_SLOTS.value, dtype=torch.int64,
                     device="cuda")
 fwd_sm90.TRACE_BUF = trace

@@ -280,7 +280,10 @@ def gluon_serves(q, k, v, var: Variants, sm90: bool, mode: str, tiles: dict, *mo
         return False
     # the forward's grid is persistent (1-D, its tiles counted in int32); the dK / dV kernel has a
     # program per kv head on the grid's y axis
-    if (cdiv(Sq, fwd_sm90.block_m(q.shape[-1])) * B * Hq >= 2**31) if mode == "fwd" else B * Hkv > configs.MAX_GRID_YZ:
+    if mode == "fwd":
+        if cdiv(Sq, fwd_sm90.block_m(q.shape[-1], var.win_right is not None)) * B * Hq >= 2**31:
+            return False
+    elif B * Hkv > configs.MAX_GRID_YZ:
         return False
     return _tma_ok(q, k, v, var, q, *more)
 
@@ -384,11 +387,12 @@ def attention_forward(q, k, v, var: Variants):
         if cfg == GLUON_ROUTE:
             seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                         lengths=(lo, hi)) if var.varlen else {}
-            b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.block_m(D)) * B * Hq),
+            causal = var.win_right is not None
+            b.launch(fwd_sm90._fwd_ws_kernel, fwd_sm90.grid(q, cdiv(Sq, fwd_sm90.block_m(D, causal)) * B * Hq),
                      fwd_sm90.launch_args(q, k, v, out, lse, var.window_args()[1], var.scale_args()[0], **seqs),
-                     dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, **fwd_sm90.tile_flags(D), IS_VARLEN=var.varlen,
+                     dict(CAUSAL=causal, HEAD_DIM=D, **fwd_sm90.tile_flags(D, causal), IS_VARLEN=var.varlen,
                           DESC_ONCE=fwd_sm90.desc_once(q, k, v, var.varlen),
-                          TRACE=fwd_sm90.TRACE_BUF is not None, O_TMA=fwd_sm90.O_TMA))
+                          TRACE=fwd_sm90.TRACE_BUF is not None))
             continue
         if flags is None:
             heads_first = configs.heads_first(var.win_right is not None, k, B * Hq)

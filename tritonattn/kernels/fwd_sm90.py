@@ -3,17 +3,19 @@ produce from ``tl`` code (benchmarks/NOTES.md, tenth session).
 
 Gluon (``triton.experimental.gluon``, shipped with Triton) makes the warpgroup MMAs, their waits,
 the TMA loads, mbarriers and warp specialization explicit. The grid is persistent: one program per
-SM walks tiles t = pid, pid + P, ... (a tile: 128 query rows of one head; order in _tile), and
+SM walks tiles t = pid, pid + P, ... (a tile: 64 NC query rows of one head; order in _tile), and
 runs three partitions:
 - a producer warp: the TMA loads of each tile's Q and of its K / V blocks into a ring of STAGES
   slots, each slot refilled once both consumers have released it (an mbarrier with two
   arrivals); it runs into the next tile while the consumers finish the current one. Dense calls
   read through descriptors over the whole tensors, built once per program (twenty-second session:
   +1-15% at S=512, where rebuilding them per tile stalled the producer at every tile boundary);
-- two consumer warpgroups (the default partition and a worker) of 64 query rows each, over the
-  same key blocks. They take turns on the tensor cores ("ping-pong"): a consumer waits for its
-  turn, issues S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products
-  and runs its softmax while the other consumer's products run.
+- NC consumer warpgroups (the default partition and workers) of 64 query rows each, over the
+  same key blocks: two, or three at D=64 without a mask (TILES, BY_MASK). They take turns on the
+  tensor cores ("ping-pong", round the consumers): a consumer waits for its turn, issues
+  S_j = Q K_j^T and P_{j-1} V_{j-1}, hands the turn over, then waits for its products and runs its
+  softmax while the other consumers' products run. The output goes out from registers, or (O_TMA,
+  two Q buffers) through the consumer's part of the tile's Q buffer and a TMA store.
 No CTA-wide barrier in the loop: partitions talk only through mbarriers.
 
 Serves what it was measured on (``fwd._gluon_ok``): sm_90, Triton 3.6, 16-bit inputs, head dims in TILES,
@@ -42,25 +44,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from tritonattn.kernels.common import LENGTH_CAP, LN2
 from tritonattn.kernels.launch import l2_bytes, sm_count
 
-# 128 query rows per program (two consumer warpgroups of 64); by head dim, (key block, K / V slots,
-# Q buffers), measured on the H200 (benchmarks/NOTES.md). D=128 (tenth session): 128-key blocks, 3
-# slots (229 KB of shared memory); 2 slots lost 6-11%, 64-key blocks 10-14%. D=64 and D=256 on the
-# persistent grid (thirteenth session; one program per tile had gained nothing): D=64 4 slots
-# (1.04-1.06x the Triton kernel from 4096 without a mask, 1.00-1.02x from 8192 with one; 3 slots
-# 1-2% less); D=256 64-key blocks and 2 slots, all that fits (1.05-1.16x without a mask from 1024,
-# 1.03-1.04x with one from 4096). configs.GLUON_MIN_SEQLEN says from which lengths. The fourth entry,
+# The tile by head dim, measured on the H200 (benchmarks/NOTES.md): BLOCK_N keys per block, STAGES K ring
+# slots (V_STAGES V ring slots, else as many), Q_BUFS Q buffers, K_APART, O_TMA, NC consumer
+# warpgroups of 64 query rows (the tile: block_m). D=128 (tenth session): 128-key blocks, 3 slots;
+# 2 slots lost 6-11%, 64-key blocks 10-14%. D=64 and D=256 on the persistent grid (thirteenth
+# session): D=64 4 slots (3 slots 1-2% less); D=256 64-key blocks and 2 slots, all that fits.
 # K_APART: the K ring's slots released as soon as both S products that read them are done, a step
 # before their V (twentieth session): at D=256 1.12-1.29x (2 slots: K_{j+1} had waited for step j);
-# at D=128 / 64 (3 / 4 slots) -3..+2% (the llama shape's causal S=8192 -3%, twice), so they keep K
-# and V released together.
-TILES = {64: (128, 4, 1, False), 128: (128, 3, 1, False), 256: (64, 2, 1, True)}
-# experiment (twenty-fourth session): V ring slots by head dim where they differ from the K ring's
-# (TILES' second entry), e.g. {128: 2}: with a second Q buffer that fits where a third V slot was
-V_SLOTS: dict = {}
-# experiment (twenty-fifth session): consumer warpgroups by head dim where not 2, e.g. {64: 3}: a tile
-# of 64 rows per consumer (block_m), the turns passed round the consumers
-CONSUMERS: dict = {}
-O_TMA = False  # experiment (twenty-fourth session): the output through the Q buffer and a TMA store (_consumer)
+# at D=128 / 64 (3 / 4 slots) -3..+2%, so they keep K and V released together.
+# O_TMA (two Q buffers): the output through the consumer's part of the tile's Q buffer and a TMA
+# store, the buffer released once the store has read it (twenty-fifth session, fa shape, graph
+# replays, x one Q buffer and 3 V slots: D=128 +6% at S=512 without a mask, +0..+1.5% with one,
+# 0..+0.7% from 2048; llama shape +9% / -1.5% at 512, +5.6% / +2.4% at 2048). At D=128 the second
+# Q buffer fits where a third V slot was (V_STAGES 2).
+# NC=3 (twenty-fifth session): 192-row tiles, a consumer's softmax hidden under two others'
+# products. D=64 without a mask, with O_TMA: +7% at S=512, +10% at 2048, +12% at 8192; with a
+# causal mask -11% / -15% / +3% at 512 / 2048 / 8192 (the diagonal blocks 1.5x as wide), so two.
+TILES = {
+    64: dict(BLOCK_N=128, STAGES=4),
+    128: dict(BLOCK_N=128, STAGES=3, V_STAGES=2, Q_BUFS=2, O_TMA=True),
+    256: dict(BLOCK_N=64, STAGES=2, K_APART=True),
+}
+# (head dim, causal) -> what differs there from TILES[head dim]
+BY_MASK = {(64, False): dict(NC=3, Q_BUFS=2, O_TMA=True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
 NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
@@ -74,17 +80,25 @@ MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg mov
 MAXNREG_3 = 128
 
 
-def block_m(head_dim: int) -> int:
-    """Query rows per tile at ``head_dim``: 64 per consumer warpgroup."""
-    return 64 * CONSUMERS.get(head_dim, 2)
+def tile(head_dim: int, causal: bool) -> dict:
+    """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
+    without (TILES, BY_MASK)."""
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2)
+    t.update(TILES[head_dim])
+    t.update(BY_MASK.get((head_dim, causal), {}))
+    t.setdefault("V_STAGES", t["STAGES"])
+    return t
 
 
-def tile_flags(head_dim: int) -> dict:
-    """The kernel's tile constexprs and launch options at ``head_dim`` (TILES, V_SLOTS, CONSUMERS)."""
-    block_n, stages, q_bufs, k_apart = TILES[head_dim]
-    nc = CONSUMERS.get(head_dim, 2)
-    return dict(BLOCK_N=block_n, STAGES=stages, V_STAGES=V_SLOTS.get(head_dim, stages), Q_BUFS=q_bufs,
-                K_APART=k_apart, NC=nc, num_warps=NUM_WARPS, maxnreg=MAXNREG if nc == 2 else MAXNREG_3)
+def block_m(head_dim: int, causal: bool) -> int:
+    """Query rows per tile: 64 per consumer warpgroup."""
+    return 64 * tile(head_dim, causal)["NC"]
+
+
+def tile_flags(head_dim: int, causal: bool) -> dict:
+    """The launch's tile constexprs (:func:`tile`), warps and register cap."""
+    t = tile(head_dim, causal)
+    return dict(t, num_warps=NUM_WARPS, maxnreg=MAXNREG if t["NC"] == 2 else MAXNREG_3)
 
 
 @gluon.jit
