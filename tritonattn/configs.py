@@ -322,6 +322,12 @@ SHORT_SEQLEN = 1024
 # D=256 from 512 since its K slots are released apart (fwd_sm90.TILES, twentieth session; x the
 # Triton kernel at S=512, without / with a mask): B=32 1.27x / 1.20x, B=8 1.15x / 1.03x, B=4
 # 1.08x / 1.12x.
+# Twenty-fifth session (fwd_sm90 TILES / BY_MASK: D=128 O_TMA, D=64 three consumers without a mask;
+# benchmarks/experiments/fwd_flags.py "table" against the Gluon kernel forced, graph replays,
+# results/2026-12-03/fwd-flags-routing-*-570ced4.md): D=64 without a mask from 512 (1.17x the
+# Triton kernel at 512, 1.12x at 1024; fa shape); D=128 without one from 256 (llama shape 1.24x at
+# 256) and with one from 512 (fa 1.24x, llama 1.10x at 512; llama 0.87x at 256). D=64 causal keeps
+# 4096 (0.66x / 0.88x at 512 / 1024, 1.01x at 2048).
 # The dK / dV kernel at D=64 (its tile in bwd_sm90.TILES; eighteenth session, the kernel alone,
 # Hq=32, Hkv=8, 16k tokens): without a mask 1.15x at 1024, 1.17x at 2048, 1.16x at 4096, 1.19x at
 # 16384; with one (nineteenth session, its crossing blocks in loops of their own: bwd.SPLIT_DIAG_ROWS)
@@ -333,7 +339,7 @@ SHORT_SEQLEN = 1024
 # MHA backward at 512 from 0.96x / 0.99x cuDNN to 0.84x / 0.86x (programs of one head, 4 query
 # blocks: fill and drain), so D=64 keeps 1024.
 GLUON_MIN_SEQLEN = {
-    "fwd": {64: (2048, 4096), 128: (512, 1024), 256: (512, 512)},
+    "fwd": {64: (512, 4096), 128: (256, 512), 256: (512, 512)},
     "bwd_dkdv": {128: (512, 2048), 64: (1024, 1024), 256: (512, 512)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,
