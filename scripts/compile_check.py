@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False, desc_3d=False, expand_kv=False, fwd_only=False):
+                 s=256, b=2, fused_dq=False, desc_3d=False, split_waits=False, expand_kv=False, fwd_only=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         os.environ["TRITONATTN_BWD_FUSED_DQ"] = {False: "0", True: "1"}.get(fused_dq, fused_dq)
         os.environ["TRITONATTN_BWD_DESC_3D"] = "1" if desc_3d else "0"
+        os.environ["TRITONATTN_BWD_SPLIT_WAITS"] = "1" if split_waits else "0"
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
             os.environ.pop("TRITONATTN_ATOMIC_DQ_TMA")
             os.environ.pop("TRITONATTN_BWD_FUSED_DQ")
             os.environ.pop("TRITONATTN_BWD_DESC_3D")
+            os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS")
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -229,6 +231,14 @@ def main(argv=None) -> int:
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
+                # the opt-in TRITONATTN_BWD_SPLIT_WAITS=1: the dK/dV consumers await a step's products one
+                # at a time; causal (split dQ), fused dQ (MHA-like GQA of 1 at 4096 without a mask), D=64
+                (f"gluon-bwd-split-waits-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
+                                                                                        split_waits=True)),
+                (f"gluon-bwd-split-waits-fused-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
+                                                                               split_waits=True)),
+                (f"gluon-bwd-split-waits-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,
+                                                                                           split_waits=True)),
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed
                 (f"gluon-bwd-desc-3d-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,

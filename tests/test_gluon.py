@@ -552,11 +552,13 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
         assert not kwargs["FUSED_DQ"] and names == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"], (kwargs, names)
 
 
-def test_dkdv_desc_3d_switch_is_in_the_plan_key(monkeypatch):
-    """TRITONATTN_BWD_DESC_3D (an experiment the bench times as a variant in the same process as
-    the default): a call after one with the same signature but the other setting takes its own
-    plan, so the switch reaches the launch (a replay of the first call's plan would time the
-    default twice)."""
+@pytest.mark.parametrize("switch,flag", [("TRITONATTN_BWD_DESC_3D", "DESC_3D"),
+                                         ("TRITONATTN_BWD_SPLIT_WAITS", "SPLIT_WAITS")])
+def test_dkdv_experiment_switch_is_in_the_plan_key(monkeypatch, switch, flag):
+    """TRITONATTN_BWD_DESC_3D and TRITONATTN_BWD_SPLIT_WAITS (experiments the bench times as
+    variants in the same process as the default): a call after one with the same signature but the
+    other setting takes its own plan, so the switch reaches the launch (a replay of the first call's
+    plan would time the default twice)."""
     from tritonattn.kernels import launch, plan
 
     monkeypatch.setattr(bwd, "GLUON", True)
@@ -571,12 +573,12 @@ def test_dkdv_desc_3d_switch_is_in_the_plan_key(monkeypatch):
     flags = []
     for env in (None, "1", None):
         if env is None:
-            monkeypatch.delenv("TRITONATTN_BWD_DESC_3D", raising=False)
+            monkeypatch.delenv(switch, raising=False)
         else:
-            monkeypatch.setenv("TRITONATTN_BWD_DESC_3D", env)
+            monkeypatch.setenv(switch, env)
         seen.clear()
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
-        flags.append([kw["DESC_3D"] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])
+        flags.append([kw[flag] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])
     assert flags == [[False], [True], [False]], flags
 
 

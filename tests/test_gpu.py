@@ -808,21 +808,28 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("D,S", [(128, 2048), (64, 4096), (256, 2048)], ids=["D128", "D64", "D256"])
-def test_bwd_desc_3d_bitwise_on_gpu(D, S, monkeypatch, poison):
-    """TRITONATTN_BWD_DESC_3D=1 (an experiment): the Gluon dK/dV kernel's producer reads Q / dO of
-    the group's heads through one 3-d descriptor, the same loads in the same order, so the gradients
-    are bitwise the default's (causal GQA, odd query count; D=64's causal loops split in two, D=256
-    split by gradient)."""
+@pytest.mark.parametrize("switch,D,S,hkv,causal", [
+    ("TRITONATTN_BWD_DESC_3D", 128, 2048, 2, True), ("TRITONATTN_BWD_DESC_3D", 64, 4096, 2, True),
+    ("TRITONATTN_BWD_DESC_3D", 256, 2048, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 2048, 2, True),
+    ("TRITONATTN_BWD_SPLIT_WAITS", 64, 4096, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 64, 2048, 2, False),
+    ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, False), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, True),
+], ids=["desc-3d-D128", "desc-3d-D64", "desc-3d-D256", "split-waits-D128", "split-waits-D64-causal",
+        "split-waits-D64-full", "split-waits-D128-MHA-full", "split-waits-D128-MHA-causal"])
+def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, poison):
+    """Experiments of the Gluon dK/dV kernel that keep its arithmetic, so the gradients are bitwise
+    the default's: TRITONATTN_BWD_DESC_3D=1 (the producer reads Q / dO of the group's heads through
+    one 3-d descriptor, the same loads in the same order) and TRITONATTN_BWD_SPLIT_WAITS=1 (a step's
+    products awaited one at a time). Odd query counts; GQA causal (D=64's causal loops split in two,
+    D=256 split by gradient), D=64 without a mask, and MHA at 4096 (the fused dQ where it serves)."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     torch.manual_seed(D)
-    q, k, v = random_qkv(2, S - 37, S, 8, 2, D, BF16, DEVICE)
-    out = flash_attn_func(q, k, v, causal=True)
+    q, k, v = random_qkv(2, S - 37, S, 8, hkv, D, BF16, DEVICE)
+    out = flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     grads = []
     for env in ("0", "1"):
-        monkeypatch.setenv("TRITONATTN_BWD_DESC_3D", env)
+        monkeypatch.setenv(switch, env)
         names = _launched(monkeypatch)
         grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         assert "_bwd_dkdv_ws_kernel" in names, names

@@ -41,6 +41,9 @@ VARIANTS = {
     # the Gluon dK/dV kernel's Q / dO read through one 3-d descriptor over the group's heads
     # (TRITONATTN_BWD_DESC_3D=1: no per-head rebuild and wait)
     "tritonattn+bwd-desc-3d": dict(),
+    # the Gluon dK/dV kernel's products awaited one at a time (TRITONATTN_BWD_SPLIT_WAITS=1: P^T while
+    # dP^T runs, dS^T while dV's product runs)
+    "tritonattn+bwd-split-waits": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -51,6 +54,7 @@ VARIANT_ENV = {
     "tritonattn+fused-dq": {"TRITONATTN_BWD_FUSED_DQ": "all"},
     "tritonattn+split-dq": {"TRITONATTN_BWD_FUSED_DQ": "0"},
     "tritonattn+bwd-desc-3d": {"TRITONATTN_BWD_DESC_3D": "1"},
+    "tritonattn+bwd-split-waits": {"TRITONATTN_BWD_SPLIT_WAITS": "1"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

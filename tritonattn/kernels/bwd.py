@@ -661,7 +661,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     """
     atomic_dq = atomic_dq_enabled() and not var.deterministic
     fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
-    desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (an experiment: in the plan's key too)
+    desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
+    split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS")
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -674,7 +675,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -757,7 +758,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
                       FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None,
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
-                      DESC_3D=desc_3d))
+                      DESC_3D=desc_3d, SPLIT_WAITS=split_waits))
 
     dqa = None
     if fused:

@@ -211,18 +211,18 @@ def _load_rows(p_lse, p_delta, offs, Sq):
 def _consumer(WG: gl.constexpr, DK, DV, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
               sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem, ds_bars,
               dq_stage, dq_full, dq_empty, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SPLIT_DIAG: gl.constexpr):
+              STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, SPLIT_DIAG: gl.constexpr, SPLIT_WAITS: gl.constexpr):
     key0 = start_n + WG * HALF
     mbarrier.wait(kv_bar, 0)
     if FUSED_DQ:  # this consumer's half of the dQ columns, handed to the writer partition
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
                                 STAGES, True, WG, k_smem, ds_smem, ds_bars, dq_stage.index(WG), dq_full.index(WG),
-                                dq_empty.index(WG), sm_scale, SPLIT_DIAG)
+                                dq_empty.index(WG), sm_scale, SPLIT_DIAG, SPLIT_WAITS)
     else:
         dk, dv, t = _accumulate(0, key0, k_smem.index(WG), v_smem.index(WG), q_smem, do_smem, ready_bars,
                                 empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                                STAGES, SPLIT_DIAG=SPLIT_DIAG)
+                                STAGES, SPLIT_DIAG=SPLIT_DIAG, SPLIT_WAITS=SPLIT_WAITS)
     _store_dkdv(DK, DV, stride_dkn, stride_dvn, key0, Sk, dk, dv, sm_scale)
 
 
@@ -364,7 +364,7 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
                 qk_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                 STAGES: gl.constexpr, FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None,
                 ds_smem=None, ds_bars=None, dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0,
-                SPLIT_DIAG: gl.constexpr = False):
+                SPLIT_DIAG: gl.constexpr = False, SPLIT_WAITS: gl.constexpr = False):
     """dK (unscaled) and dV of keys [key0, key0 + 64) (their K / V tiles ``k``, ``v`` in shared
     memory) over the ring's query blocks t, t + 1, ... that the producer's _load_query_blocks
     loads, each slot released after its products. Returns dk, dv and the ring's next block.
@@ -397,25 +397,27 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
             split = GROUP * (n_m - n_diag)
             dk, dv, t = _steps(0, split, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
                                GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M, STAGES, True, WG, k_all,
-                               ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+                               ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, SPLIT_WAITS=SPLIT_WAITS)
             dk, dv, t = _steps(split, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
                                rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES, True, WG,
-                               k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+                               k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, SPLIT_WAITS=SPLIT_WAITS)
         else:  # heads one after the other, blocks ascending: the crossing ones first in each head
             for g in range(GROUP):
                 j0 = g * n_m
                 dk, dv, t = _steps(j0, j0 + n_diag, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars,
-                                   rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES)
+                                   rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 1, HEAD_DIM, BLOCK_M, STAGES,
+                                   SPLIT_WAITS=SPLIT_WAITS)
                 dk, dv, t = _steps(j0 + n_diag, j0 + n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars,
                                    empty_bars, rows_smem, GROUP, lo_blk, n_m, shift, qk_scale, 0, HEAD_DIM, BLOCK_M,
-                                   STAGES)
+                                   STAGES, SPLIT_WAITS=SPLIT_WAITS)
     elif FUSED_DQ:
         dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
                            GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES, True,
-                           WG, k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale)
+                           WG, k_all, ds_smem, ds_bars, dq_stage, dq_full, dq_empty, sm_scale, SPLIT_WAITS=SPLIT_WAITS)
     else:
         dk, dv, t = _steps(0, GROUP * n_m, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem,
-                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES)
+                           GROUP, lo_blk, n_m, shift, qk_scale, 2 if CAUSAL else 0, HEAD_DIM, BLOCK_M, STAGES,
+                           SPLIT_WAITS=SPLIT_WAITS)
     return dk, dv, t
 
 
@@ -423,10 +425,16 @@ def _accumulate(t, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_sme
 def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bars, rows_smem, GROUP, lo_blk, n_m,
            shift, qk_scale, MASK: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
            FUSED_DQ: gl.constexpr = False, WG: gl.constexpr = 0, k_all=None, ds_smem=None, ds_bars=None,
-           dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0):
+           dq_stage=None, dq_full=None, dq_empty=None, sm_scale=1.0, SPLIT_WAITS: gl.constexpr = False):
     """_accumulate's steps j0 .. j1 - 1 (each a (query head of the group, query block) in _step's
     order, ring block t on). MASK: 0 none, 1 the causal mask on every step, 2 on the steps whose
-    block crosses the keys' diagonal (a test per step)."""
+    block crosses the keys' diagonal (a test per step).
+
+    SPLIT_WAITS (an experiment, twenty-fifth session): the step's products awaited one at a time, as
+    FlashAttention-3's backward does: P^T computed once S^T is done while dP^T is still running, dV's
+    product issued before dP^T is awaited, dS^T computed while it runs, then dK's. The same
+    arithmetic in the same order (bitwise the default); the consumer's own products overlap its
+    elementwise work instead of only the other consumer's."""
     dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -449,10 +457,12 @@ def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bar
         do = do_smem.index(slot)
         st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        if SPLIT_WAITS:
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        else:
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         # lse2 and delta from the slot, after the products (short live ranges)
         lse2 = rows_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout))
-        delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
         # key j is seen by query i when j <= i + shift
         if MASK == 1:
             st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
@@ -460,6 +470,11 @@ def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bar
             if blk * BLOCK_M + shift < key0 + HALF - 1:
                 st = gl.where(gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + shift, 0), st, float("-inf"))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if SPLIT_WAITS:  # dV's product while dP^T finishes and dS^T is computed
+            pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = warpgroup_mma(pt16, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        delta = rows_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         if FUSED_DQ:  # dS^T of this consumer's keys into its half of buffer t % 2
             buf = t % 2
@@ -469,9 +484,11 @@ def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bar
             # (a buffer is rewritten two steps later, after both consumers passed the next
             # step's barrier, i.e. finished this step's dQ products)
             mbarrier.arrive(ds_bars.index(buf))
-        pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+        if not SPLIT_WAITS:
+            pt16 = gl.convert_layout(pt.to(dtype), a_layout)
         dst16 = gl.convert_layout(dst.to(dtype), a_layout)
-        dv = warpgroup_mma(pt16, do, dv, is_async=True)
+        if not SPLIT_WAITS:
+            dv = warpgroup_mma(pt16, do, dv, is_async=True)
         dk = warpgroup_mma(dst16, q, dk, is_async=True)
         dv, dk, pt16, dst16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt16, dst16))
         mbarrier.arrive(empty_bars.index(slot))
@@ -536,6 +553,7 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
+    SPLIT_WAITS: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -641,10 +659,12 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG,
+                         SPLIT_WAITS)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, ds_smem,
-                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG)),
+                         ds_bars, dq_stage, dq_full, dq_empty, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, True, SPLIT_DIAG,
+                         SPLIT_WAITS)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
@@ -669,10 +689,12 @@ def _bwd_dkdv_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG,
+                         SPLIT_WAITS)),
             (_consumer, (1, dk_base, dv_base, stride_dkn, stride_dvn, start_n, Sk, GROUP, lo_blk, n_m, shift, qk_scale,
                          sm_scale, k_smem, v_smem, q_smem, do_smem, kv_bar, ready_bars, empty_bars, rows_smem, k_smem,
-                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG)),
+                         kv_bar, k_smem, kv_bar, kv_bar, CAUSAL, HEAD_DIM, BLOCK_M, STAGES, False, SPLIT_DIAG,
+                         SPLIT_WAITS)),
             (_producer, (k_base, v_base, q_base, do_base, stride_kn, stride_vn, stride_qm, stride_qh, stride_dom,
                          stride_doh, off_hk, start_n, Sq, q_rows, Sk, GROUP, lo_blk, n_m, k_smem, v_smem, q_smem,
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
