@@ -227,6 +227,16 @@ def main(argv=None) -> int:
                                                                               fwd_only=True)),
                 (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_tile=NC3,
                                                                               varlen=True, fwd_only=True)),
+                # the Gluon forward's SPLIT_WAIT experiment (the softmax while the last P V runs) at D=128 (both
+                # masks), D=64 (three consumers without a mask) and D=256
+                (f"gluon-split-wait-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
+                                                                                   fwd_tile=dict(SPLIT_WAIT=True))),
+                (f"gluon-split-wait-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
+                                                                         fwd_tile=dict(SPLIT_WAIT=True))),
+                (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
+                                                                            fwd_tile=dict(NC3, SPLIT_WAIT=True))),
+                (f"gluon-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
+                                                                              fwd_tile=dict(SPLIT_WAIT=True))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

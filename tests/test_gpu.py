@@ -270,11 +270,16 @@ def test_gluon_forward_expanded_kv(broadcast, causal, poison, monkeypatch):
 
 _PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False)  # D=128's Gluon tile before the twenty-fifth session
 _NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's without a mask
-# the Gluon forward's tiles against a plainer one: name -> (head dim, BY_MASK of the reference, of the run)
+# the Gluon forward's tiles against a plainer one: name -> (head dim, BY_MASK of the reference, of the
+# run; None: the default's)
 _FWD_TILES = {
     "D128-default-vs-plain": (128, {(128, False): _PLAIN, (128, True): _PLAIN}, None),
     "D64-default-vs-two-consumers": (64, {}, None),
     "D64-three-consumers-also-causal": (64, {}, {(64, False): _NC3, (64, True): _NC3}),
+    # the SPLIT_WAIT experiment (the softmax while the last P V runs) against each head dim's default
+    "D128-split-wait": (128, None, {(128, False): dict(SPLIT_WAIT=True), (128, True): dict(SPLIT_WAIT=True)}),
+    "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),
+    "D256-split-wait": (256, None, {(256, False): dict(SPLIT_WAIT=True), (256, True): dict(SPLIT_WAIT=True)}),
 }
 
 
@@ -286,7 +291,8 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     Q buffers, two V slots and the output through the tile's Q buffer and a TMA store (O_TMA)
     against one Q buffer, three V slots and the output stored from registers; at D=64 three
     consumer warpgroups (192-row tiles) with O_TMA without a mask, and also with one, against two
-    consumers. A row's arithmetic is the same in all (the key blocks a larger tile visits past a
+    consumers; SPLIT_WAIT (the softmax of S_j while P_{j-1} V_{j-1} runs) against each head dim's
+    default. A row's arithmetic is the same in all (the key blocks a larger tile visits past a
     row's diagonal add exact zeros). On one program per SM and on 7 (many tiles each: the Q
     buffers, the rings and the turns carry across tiles), dense (GQA, a length that is no multiple
     of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key); the
@@ -324,7 +330,7 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
 
     default = dict(fwd.fwd_sm90.BY_MASK)
     monkeypatch.setattr(launch, "launch", record)
-    ref = both(ref_tiles)
+    ref = both(default if ref_tiles is None else ref_tiles)
     got = both(default if run_tiles is None else run_tiles)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)

@@ -60,6 +60,7 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # NC=3 (twenty-fifth session): 192-row tiles, a consumer's softmax hidden under two others'
 # products. D=64 without a mask, with O_TMA: +7% at S=512, +10% at 2048, +12% at 8192; with a
 # causal mask -11% / -15% / +3% at 512 / 2048 / 8192 (the diagonal blocks 1.5x as wide), so two.
+# SPLIT_WAIT (experiment, off): the softmax of S_j while P_{j-1} V_{j-1} runs (_consumer_steps).
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
     128: dict(BLOCK_N=128, STAGES=3, V_STAGES=2, Q_BUFS=2, O_TMA=True),
@@ -83,7 +84,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -341,12 +342,18 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
                     v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m, offs_n, Sk, causal_shift, qk_scale,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
-                    K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                    K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                    SPLIT_WAIT: gl.constexpr = False):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
     slots, the V ring V_STAGES. The rings' blocks and the turns count from J and T (0 here; a
-    program that walks several tiles passes what its earlier tiles used)."""
+    program that walks several tiles passes what its earlier tiles used).
+
+    SPLIT_WAIT (an experiment, twenty-fifth session; FlashAttention-3's intra-warpgroup overlap): the
+    softmax of S_j starts once S_j is done, while P_{j-1} V_{j-1} still runs (awaited before the
+    rescale); the K slot is released after the first wait, the V slot after the second. The same
+    arithmetic (bitwise the default)."""
     FIRST: gl.constexpr = 1 if WG == 0 else 0
     for j in range(lo, hi):
         slot = (J + j) % STAGES
@@ -360,14 +367,21 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(v_prev), acc, is_async=True)
         mbarrier.arrive(turn_bars.index((WG + 1) % NC))
-        s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
+        if SPLIT_WAIT:
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        else:
+            s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
         if K_APART:
             mbarrier.arrive(k_empty.index(slot))
         else:
             mbarrier.arrive(k_empty.index(prev))
-        mbarrier.arrive(v_empty.index(v_prev))
+        if not SPLIT_WAIT:
+            mbarrier.arrive(v_empty.index(v_prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
                                              MASKED, CAUSAL)
+        if SPLIT_WAIT:  # P_{j-1} V_{j-1}, which ran through the softmax
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index(v_prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
     return acc, p, m_i, l_i
@@ -377,7 +391,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
@@ -444,11 +458,11 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -512,6 +526,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
+    SPLIT_WAIT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -556,19 +571,19 @@ def _fwd_ws_kernel(
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
