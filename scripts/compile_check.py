@@ -240,15 +240,15 @@ def main(argv=None) -> int:
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
-                # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 # the opt-in TRITONATTN_BWD_SPLIT_WAITS=1: the dK/dV consumers await a step's products one
-                # at a time; causal (split dQ), fused dQ (MHA-like GQA of 1 at 4096 without a mask), D=64
+                # at a time; causal (split dQ), the fused dQ forced (without a mask at 4096), D=64 causal
                 (f"gluon-bwd-split-waits-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                         split_waits=True)),
                 (f"gluon-bwd-split-waits-fused-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
                                                                                split_waits=True)),
                 (f"gluon-bwd-split-waits-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,
                                                                                            split_waits=True)),
+                # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed
                 (f"gluon-bwd-desc-3d-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,

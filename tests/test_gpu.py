@@ -184,8 +184,10 @@ GLUON_CASES = [
     (1, 5000, 5000, 2, 2, 128, True, BF16),
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward from 1024, without a mask and with one
     (2, 1100, 1024, 8, 2, 128, True, BF16),
-    (2, 700, 513, 4, 2, 128, True, BF16),  # causal below both kernels' lengths, rows that see no key
-    (1, 511, 511, 4, 1, 128, False, F16),  # neither
+    (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
+    (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
+    (1, 511, 511, 4, 1, 128, False, F16),  # the Gluon forward (from 256), not the dK/dV kernel (512)
+    (1, 255, 255, 4, 1, 128, False, F16),  # one short of D=128's length: neither
     # the forward's other head dims, from their own lengths (no Gluon dK/dV kernel there)
     (2, 1024, 1000, 4, 2, 256, False, BF16),
     (1, 4100, 4096, 2, 1, 256, True, BF16),
@@ -193,7 +195,8 @@ GLUON_CASES = [
     (1, 8192, 8191, 4, 2, 64, True, F16),
     (1, 4095, 4095, 2, 2, 64, True, BF16),  # one short of D=64's causal length: the Triton forward
     (1, 4096, 4000, 4, 1, 64, False, BF16),
-    (1, 2047, 2047, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
+    (1, 2047, 2047, 2, 2, 64, False, BF16),  # three consumers (192-row tiles), a length no multiple of them
+    (1, 511, 511, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
     # the dK/dV kernel's other tiles: D=64 causal (its crossing blocks in loops of their own), D=256
     # (the consumers split by gradient), GQA / MQA / MHA, Sq != Sk both ways, one query
     (1, 1030, 2000, 4, 1, 64, True, BF16),
@@ -274,8 +277,7 @@ _NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's without a mask
 # run; None: the default's)
 _FWD_TILES = {
     "D128-default-vs-plain": (128, {(128, False): _PLAIN, (128, True): _PLAIN}, None),
-    "D64-default-vs-two-consumers": (64, {}, None),
-    "D64-three-consumers-also-causal": (64, {}, {(64, False): _NC3, (64, True): _NC3}),
+    "D64-three-consumers-vs-two": (64, {}, {(64, False): _NC3, (64, True): _NC3}),
     # the SPLIT_WAIT experiment (the softmax while the last P V runs) against each head dim's default
     "D128-split-wait": (128, None, {(128, False): dict(SPLIT_WAIT=True), (128, True): dict(SPLIT_WAIT=True)}),
     "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),

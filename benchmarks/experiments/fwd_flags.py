@@ -57,6 +57,12 @@ def _apply(parts: list[str]) -> dict:
         saved.setdefault(name, getattr(fwd_sm90, name))
         if name == "TILES" and keys and _key(keys[0]) not in fwd_sm90.TILES:
             raise ValueError(f"fwd_sm90.TILES has no head dim {keys[0]}")
+        if name in ("TILES", "BY_MASK") and len(keys) == 2 and keys[1] not in fwd_sm90.tile(128, False):
+            raise ValueError(f"{part}: a tile has no field {keys[1]} (fields: {sorted(fwd_sm90.tile(128, False))})")
+        if name == "TILES" and len(keys) == 2:
+            shadowed = [m for m in (False, True) if keys[1] in fwd_sm90.BY_MASK.get((_key(keys[0]), m), {})]
+            if shadowed:
+                print(f"note: {part} is overridden by BY_MASK where causal is {shadowed}")
         top = value
         if keys:
             top = dict(getattr(fwd_sm90, name))

@@ -434,7 +434,8 @@ def _steps(j0, j1, t, dk, dv, key0, k, v, q_smem, do_smem, ready_bars, empty_bar
     FlashAttention-3's backward does: P^T computed once S^T is done while dP^T is still running, dV's
     product issued before dP^T is awaited, dS^T computed while it runs, then dK's. The same
     arithmetic in the same order (bitwise the default); the consumer's own products overlap its
-    elementwise work instead of only the other consumer's."""
+    elementwise work instead of only the other consumer's. (D=256's consumers split by gradient,
+    _split_consumer_p / _ds, do not take it.)"""
     dtype: gl.constexpr = k.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])

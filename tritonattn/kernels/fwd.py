@@ -252,9 +252,9 @@ GLUON_ROUTE = "gluon"  # a length class served by the Gluon forward (attention_f
 def _gluon_ok(q, k, v, var: Variants, sm90: bool, longest: int | None = None) -> bool:
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
     :func:`gluon_serves`. From the lengths in configs.GLUON_MIN_SEQLEN, measured on the H200
-    (benchmarks/NOTES.md, fifteenth session, graph replays, x the Triton kernel): D=128 from 512
-    without a mask (1.11-1.47x but 0.95x at B=1) and 1024 with one (1.04-1.27x), D=64 from 2048 /
-    4096 (1.01-1.07x), D=256 from 1024 (1.09-1.18x)."""
+    (benchmarks/NOTES.md, graph replays, x the Triton kernel; the measurements in configs.py): D=128
+    from 256 / 512 without / with a mask, D=64 from 512 / 4096, D=256 from 512 (twenty-fifth
+    session)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN, longest=longest)
 
 
@@ -349,8 +349,9 @@ def attention_forward(q, k, v, var: Variants):
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
            tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned,
            fwd_sm90.TRACE_BUF is not None)  # (a traced launch passes a buffer no plan holds: never replayed)
-    # (heads_first's other inputs are in the key; MAX_GRID_YZ and fwd_sm90's PROGRAMS and
-    # HEADS_PER_SECTION are constants, changed only by tests and the tuner, which clear the plans)
+    # (heads_first's other inputs are in the key; MAX_GRID_YZ and fwd_sm90's PROGRAMS,
+    # HEADS_PER_SECTION, TILES and BY_MASK are constants, changed only by tests, the tuner and the
+    # experiment scripts, which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
         return res

@@ -6,7 +6,7 @@ the TMA loads, mbarriers and warp specialization explicit. The grid is persisten
 SM walks tiles t = pid, pid + P, ... (a tile: 64 NC query rows of one head; order in _tile), and
 runs three partitions:
 - a producer warp: the TMA loads of each tile's Q and of its K / V blocks into a ring of STAGES
-  slots, each slot refilled once both consumers have released it (an mbarrier with two
+  slots, each slot refilled once every consumer has released it (an mbarrier with NC
   arrivals); it runs into the next tile while the consumers finish the current one. Dense calls
   read through descriptors over the whole tensors, built once per program (twenty-second session:
   +1-15% at S=512, where rebuilding them per tile stalled the producer at every tile boundary);
@@ -70,14 +70,15 @@ TILES = {
 BY_MASK = {(64, False): dict(NC=3, Q_BUFS=2, O_TMA=True)}
 PROGRAMS = None  # the persistent grid's size: None, one program per SM (tests set a few)
 HEADS_PER_SECTION = None  # the causal order's section: None, section_heads' rule (tests and the tuner set it)
-NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 + 1 warps
+NUM_WARPS = 4  # the default partition (one consumer); the workers add 4 (NC - 1) + 1 warps
 # TRACE (benchmarks/experiments/tile_trace.py): an int64 tensor of (programs, TRACE_TILES, TRACE_SLOTS)
 # that the kernel fills with cycle stamps (_stamp), or None (off: the kernel is compiled without them)
 TRACE_BUF = None
 TRACE_TILES = gl.constexpr(64)
 TRACE_SLOTS = gl.constexpr(24)
 MAXNREG = 168  # 12 warps x 168 registers fill the register file; setmaxnreg moves them to the consumers
-# three consumers: 16 warps x 128 registers (setmaxnreg: 160 to each consumer thread, 24 to the producer's)
+# three consumers: 16 warps x 128 registers (setmaxnreg, read from the PTX: 168 to the default consumer's
+# threads, 160 to the two worker consumers', 24 to the producer's: the whole register file)
 MAXNREG_3 = 128
 
 
