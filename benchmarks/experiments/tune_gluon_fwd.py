@@ -46,12 +46,12 @@ def run(q, k, v, causal, tile, win_right=0, programs=None, poison=True):
         out, lse = torch.empty_like(q), torch.empty((B, Hq, Sq), device=q.device)
     fwd._need_allocator()
     bn, stages, q_bufs, k_apart = tile
-    tiles = triton.cdiv(Sq, 128) * B * Hq  # (two consumers: 128-row tiles)
+    tiles = triton.cdiv(Sq, 2 * fwd_sm90.HALF.value) * B * Hq  # (the kernel's default: two consumers)
     programs = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
     fwd_sm90._fwd_ws_kernel[(min(tiles, programs),)](
         *fwd_sm90.launch_args(q, k, v, out, lse, win_right, D ** -0.5 * LOG2E.value), CAUSAL=causal, HEAD_DIM=D,
-        **dict(fwd_sm90.tile_flags(D, causal), BLOCK_N=bn, STAGES=stages, V_STAGES=stages, Q_BUFS=q_bufs,
-               K_APART=bool(k_apart), O_TMA=False, NC=2, maxnreg=fwd_sm90.MAXNREG))
+        BLOCK_N=bn, STAGES=stages, V_STAGES=stages, Q_BUFS=q_bufs, num_warps=fwd_sm90.NUM_WARPS,
+        maxnreg=fwd_sm90.MAXNREG, K_APART=bool(k_apart))
     return out, lse
 
 
@@ -153,7 +153,7 @@ def bench(seqlens, head_dims, tiles, tokens, sections, batches=None) -> None:
                     fwd.GLUON = gluon_default
                 # causal, also without pairs: a program per tile, heaviest first, dealt by the hardware as
                 # SMs free up (only where the tiles outnumber the SMs: else it is the default launch)
-                tiles_n = triton.cdiv(S, 128) * B * Hq
+                tiles_n = triton.cdiv(S, 2 * fwd_sm90.HALF.value) * B * Hq
                 per_tile = causal and tiles_n > torch.cuda.get_device_properties(q.device).multi_processor_count
                 rule = fwd_sm90.section_heads(B * Hq, Hq // Hkv, S, q)  # the default order's section
                 runs = [(f"gluon {t}" + (f" section {rule}" if causal else ""), t, None, None) for t in tiles]

@@ -61,6 +61,7 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # products. D=64 without a mask, with O_TMA: +7% at S=512, +10% at 2048, +12% at 8192; with a
 # causal mask -11% / -15% / +3% at 512 / 2048 / 8192 (the diagonal blocks 1.5x as wide), so two.
 # SPLIT_WAIT (experiment, off): the softmax of S_j while P_{j-1} V_{j-1} runs (_consumer_steps).
+HALF = gl.constexpr(64)  # a consumer warpgroup's query rows (the tile: NC of them, block_m)
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
     128: dict(BLOCK_N=128, STAGES=3, V_STAGES=2, Q_BUFS=2, O_TMA=True),
@@ -94,7 +95,7 @@ def tile(head_dim: int, causal: bool) -> dict:
 
 def block_m(head_dim: int, causal: bool) -> int:
     """Query rows per tile: 64 per consumer warpgroup."""
-    return 64 * tile(head_dim, causal)["NC"]
+    return HALF.value * tile(head_dim, causal)["NC"]
 
 
 def tile_flags(head_dim: int, causal: bool) -> dict:
@@ -256,7 +257,6 @@ def _producer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
      q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq,
      Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, TRACE_BUF) = args
-    HALF: gl.constexpr = 64  # a consumer's rows
     BLOCK_M: gl.constexpr = NC * HALF
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
@@ -406,7 +406,6 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
     (O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem, q_bars, q_empty,
      k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right,
      CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF) = args
-    HALF: gl.constexpr = 64  # a consumer's rows
     BLOCK_M: gl.constexpr = NC * HALF
     FIRST: gl.constexpr = 1 if WG == 0 else 0
     dtype: gl.constexpr = q_smem.dtype
@@ -532,7 +531,6 @@ def _fwd_ws_kernel(
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
     gl.static_assert((NC == 2) | (not TRACE), "the trace's slots are laid out for two consumers")
-    HALF: gl.constexpr = 64  # a consumer's rows
     BLOCK_M: gl.constexpr = NC * HALF
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
