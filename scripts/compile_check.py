@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     bwd._dq_tma_ok = lambda q: q.shape[-1] % 4 == 0 and configs.env_flag("TRITONATTN_ATOMIC_DQ_TMA", default=True)
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False)  # the Gluon forward's D=128 tile before the twenty-fifth session
+    # the Gluon forward's D=128 tile before the twenty-fifth session
+    PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False, SPLIT_WAIT=False)
     NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's tile without a mask
 
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, fwd_tile=None,
@@ -227,16 +228,14 @@ def main(argv=None) -> int:
                                                                               fwd_only=True)),
                 (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_tile=NC3,
                                                                               varlen=True, fwd_only=True)),
-                # the Gluon forward's SPLIT_WAIT experiment (the softmax while the last P V runs) at D=128 (both
-                # masks), D=64 (three consumers without a mask) and D=256
-                (f"gluon-split-wait-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
-                                                                                   fwd_tile=dict(SPLIT_WAIT=True))),
-                (f"gluon-split-wait-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
-                                                                         fwd_tile=dict(SPLIT_WAIT=True))),
+                # the Gluon forward without SPLIT_WAIT (the softmax while the last P V runs; the default at
+                # D=128 and D=256) at D=128 and D=256 without a mask, and with it at D=64 (three consumers)
+                (f"gluon-no-split-wait-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
+                                                                            fwd_tile=dict(SPLIT_WAIT=False))),
                 (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
                                                                             fwd_tile=dict(NC3, SPLIT_WAIT=True))),
-                (f"gluon-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
-                                                                              fwd_tile=dict(SPLIT_WAIT=True))),
+                (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
+                                                                                 fwd_tile=dict(SPLIT_WAIT=False))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

@@ -60,12 +60,15 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # NC=3 (twenty-fifth session): 192-row tiles, a consumer's softmax hidden under two others'
 # products. D=64 without a mask, with O_TMA: +7% at S=512, +10% at 2048, +12% at 8192; with a
 # causal mask -11% / -15% / +3% at 512 / 2048 / 8192 (the diagonal blocks 1.5x as wide), so two.
-# SPLIT_WAIT (experiment, off): the softmax of S_j while P_{j-1} V_{j-1} runs (_consumer_steps).
+# SPLIT_WAIT (twenty-sixth session): the softmax of S_j while P_{j-1} V_{j-1} runs (_consumer_steps).
+# Forced-kernel A/B, graph replays, x without: D=256 +2..+8% from S=1024 (one cell of 16 -2%, in a run
+# whose default cell was 9% off the other run's); D=128 +1..+4% from 1024 (one cell -2.7%, llama causal
+# 2048), +-1% at 512; D=64 within +-1.3% (off there).
 HALF = gl.constexpr(64)  # a consumer warpgroup's query rows (the tile: NC of them, block_m)
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
-    128: dict(BLOCK_N=128, STAGES=3, V_STAGES=2, Q_BUFS=2, O_TMA=True),
-    256: dict(BLOCK_N=64, STAGES=2, K_APART=True),
+    128: dict(BLOCK_N=128, STAGES=3, V_STAGES=2, Q_BUFS=2, O_TMA=True, SPLIT_WAIT=True),
+    256: dict(BLOCK_N=64, STAGES=2, K_APART=True, SPLIT_WAIT=True),
 }
 # (head dim, causal) -> what differs there from TILES[head dim]
 BY_MASK = {(64, False): dict(NC=3, Q_BUFS=2, O_TMA=True)}
@@ -351,7 +354,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
     slots, the V ring V_STAGES. The rings' blocks and the turns count from J and T (0 here; a
     program that walks several tiles passes what its earlier tiles used).
 
-    SPLIT_WAIT (an experiment, twenty-fifth session; FlashAttention-3's intra-warpgroup overlap): the
+    SPLIT_WAIT (D=128 and D=256, twenty-sixth session; FlashAttention-3's intra-warpgroup overlap): the
     softmax of S_j starts once S_j is done, while P_{j-1} V_{j-1} still runs (awaited before the
     rescale); the K slot is released after the first wait, the V slot after the second. The same
     arithmetic (bitwise the default)."""
