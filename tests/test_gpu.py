@@ -187,11 +187,13 @@ GLUON_CASES = [
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
     (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
     (1, 511, 511, 4, 1, 128, False, F16),  # the Gluon forward (from 256), not the dK/dV kernel (512)
-    (1, 255, 255, 4, 1, 128, False, F16),  # one short of D=128's length: neither
+    (1, 255, 255, 4, 1, 128, False, F16),  # the Gluon forward (from 128), not the dK/dV kernel
+    (1, 127, 127, 4, 1, 128, False, F16),  # one short of D=128's length: neither
     # the forward's other head dims, from their own lengths (no Gluon dK/dV kernel there)
     (2, 1024, 1000, 4, 2, 256, False, BF16),
     (1, 4100, 4096, 2, 1, 256, True, BF16),
-    (1, 511, 500, 4, 2, 256, True, F16),  # one short of D=256's causal length: the Triton forward
+    (1, 511, 500, 4, 2, 256, True, F16),  # the Gluon forward (from 128), not the dK/dV kernel (512)
+    (1, 127, 120, 4, 2, 256, True, F16),  # one short of D=256's forward length: the Triton forward
     (1, 8192, 8191, 4, 2, 64, True, F16),
     (1, 4095, 4095, 2, 2, 64, True, BF16),  # one short of D=64's causal length: the Triton forward
     (1, 4096, 4000, 4, 1, 64, False, BF16),

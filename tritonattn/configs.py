@@ -328,6 +328,11 @@ SHORT_SEQLEN = 1024
 # Triton kernel at 512, 1.12x at 1024; fa shape); D=128 without one from 256 (llama shape 1.24x at
 # 256) and with one from 512 (fa 1.24x, llama 1.10x at 512; llama 0.87x at 256). D=64 causal keeps
 # 4096 (0.66x / 0.88x at 512 / 1024, 1.01x at 2048).
+# Twenty-sixth session (SPLIT_WAIT at D=128 / 256; the same A/B, results/2026-12-03/
+# fwd-flags-routing-*-bb779ab.md; fa / llama shape): D=256 from 128 (S=128 1.39x / 1.06x without a mask,
+# 1.37x / 1.03x with one; S=256 1.60x / 1.44x and 1.29x / 1.30x); D=128 without a mask from 128 (S=128
+# 1.44x / 0.975x: the llama shape's 128 tiles leave SMs idle); D=128 causal keeps 512 (S=256 1.06x /
+# 0.87x, S=128 1.12x / 0.77x); D=64 keeps its lengths (the Triton kernel 1.14-1.56x at S=128 / 256).
 # The dK / dV kernel at D=64 (its tile in bwd_sm90.TILES; eighteenth session, the kernel alone,
 # Hq=32, Hkv=8, 16k tokens): without a mask 1.15x at 1024, 1.17x at 2048, 1.16x at 4096, 1.19x at
 # 16384; with one (nineteenth session, its crossing blocks in loops of their own: bwd.SPLIT_DIAG_ROWS)
@@ -339,7 +344,7 @@ SHORT_SEQLEN = 1024
 # MHA backward at 512 from 0.96x / 0.99x cuDNN to 0.84x / 0.86x (programs of one head, 4 query
 # blocks: fill and drain), so D=64 keeps 1024.
 GLUON_MIN_SEQLEN = {
-    "fwd": {64: (512, 4096), 128: (256, 512), 256: (512, 512)},
+    "fwd": {64: (512, 4096), 128: (128, 512), 256: (128, 128)},
     "bwd_dkdv": {128: (512, 2048), 64: (1024, 1024), 256: (512, 512)},
 }
 # The backward's dQ computed by the Gluon dK/dV kernel itself (kernels/bwd_sm90.py FUSED_DQ,

@@ -253,7 +253,7 @@ def _gluon_ok(q, k, v, var: Variants, sm90: bool, longest: int | None = None) ->
     """The Gluon forward serves the call (``sm90``: q is on an NVIDIA sm_90 GPU): see
     :func:`gluon_serves`. From the lengths in configs.GLUON_MIN_SEQLEN, measured on the H200
     (benchmarks/NOTES.md, graph replays, x the Triton kernel; the measurements in configs.py): D=128
-    from 256 / 512 without / with a mask, D=64 from 512 / 4096, D=256 from 512 (twenty-fifth
+    from 128 / 512 without / with a mask, D=64 from 512 / 4096, D=256 from 128 (twenty-sixth
     session)."""
     return GLUON and gluon_serves(q, k, v, var, sm90, "fwd", fwd_sm90.TILES, varlen=GLUON_VARLEN, longest=longest)
 
