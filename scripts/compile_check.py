@@ -8,6 +8,7 @@ block may have (232448 bytes). Saves GPU time: a kernel that does not build for 
 
     python scripts/compile_check.py                 # every variant flag set, the llama shape's configs
     python scripts/compile_check.py --all-configs   # every entry of the sm90 tile table, plain flags
+    python scripts/compile_check.py --only gluon-causal-D64 --dump /tmp/asm   # and each kernel's PTX and SASS
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def resources(kernel) -> tuple[int, int]:
     return regs, stack
 
 
+def dump(kernel, stem: str) -> None:
+    """The kernel's PTX and SASS (cuobjdump -sass of its cubin) as STEM.ptx and STEM.sass."""
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    with open(stem + ".ptx", "w") as f:
+        f.write(kernel.asm["ptx"])
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    with open(stem + ".sass", "w") as f:
+        f.write(sass)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--all-configs", action="store_true")
@@ -81,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="only the cases whose label contains this")
     p.add_argument("--split-head-dims", type=int, nargs="+", default=[256], choices=[64, 128, 256],
                    help="head dims whose dK/dV split candidates (head-dim or gradient split) are compiled")
+    p.add_argument("--dump", metavar="DIR",
+                   help="write each compiled kernel's PTX and SASS here (LABEL.KERNEL.ptx / .sass)")
     args = p.parse_args(argv)
 
     driver.set_active(_Sm90Driver())
@@ -234,6 +250,11 @@ def main(argv=None) -> int:
                                                                             fwd_tile=dict(SPLIT_WAIT=False))),
                 (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
                                                                             fwd_tile=dict(NC3, SPLIT_WAIT=True))),
+                # the EXP_POLY experiment (1 / 2 of every 4 exp2 by a polynomial on the FMA pipe) at D=64
+                (f"gluon-exp-poly-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
+                                                                                    fwd_tile=dict(EXP_POLY=1))),
+                (f"gluon-exp-poly2-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
+                                                                           fwd_tile=dict(NC3, EXP_POLY=2))),
                 (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
                                                                                  fwd_tile=dict(SPLIT_WAIT=False))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
@@ -353,6 +374,8 @@ def main(argv=None) -> int:
             failures += smem > SMEM_LIMIT
             print(f"{label:28} {r['name']:24} {cfg:34} {regs:5d} {spill:6d} {smem:7d} {r['seconds']:9.1f}{flag}",
                   flush=True)
+            if args.dump:
+                dump(r["kernel"], os.path.join(args.dump, f"{label}.{r['name']}"))
     print(f"\n{len(RESULTS)} kernels compiled for sm_90, {failures} failure(s)")
     return 1 if failures else 0
 

@@ -106,7 +106,9 @@ def main():
                         if routing not in ref:
                             ref[routing] = out
                         elif not torch.equal(out, ref[routing]):
-                            print(f"| {D} | {S} | {causal} | {s} | OUTPUT DIFFERS from the first setting's |")
+                            diff = (out.float() - ref[routing].float()).abs().max().item()
+                            print(f"| {D} | {S} | {causal} | {s} | OUTPUT DIFFERS from the first setting's "
+                                  f"(max abs {diff:.2e}) |")
                         times[s].append(_bench(_graphed(lambda: tritonattn.flash_attn_func(q, k, v, causal=causal),
                                                         "fwd")) * 1e3)
                         for name, value in saved.items():
