@@ -250,11 +250,6 @@ def main(argv=None) -> int:
                                                                             fwd_tile=dict(SPLIT_WAIT=False))),
                 (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
                                                                             fwd_tile=dict(NC3, SPLIT_WAIT=True))),
-                # the EXP_POLY experiment (1 / 2 of every 4 exp2 by a polynomial on the FMA pipe) at D=64
-                (f"gluon-exp-poly-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
-                                                                                    fwd_tile=dict(EXP_POLY=1))),
-                (f"gluon-exp-poly2-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
-                                                                           fwd_tile=dict(NC3, EXP_POLY=2))),
                 (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
                                                                                  fwd_tile=dict(SPLIT_WAIT=False))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call

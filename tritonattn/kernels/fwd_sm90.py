@@ -89,7 +89,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False, EXP_POLY=0)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -107,50 +107,9 @@ def tile_flags(head_dim: int, causal: bool) -> dict:
     return dict(t, num_warps=NUM_WARPS, maxnreg=MAXNREG if t["NC"] == 2 else MAXNREG_3)
 
 
-def _ex2_asm(poly: int) -> str:
-    """PTX of 2^x for four elements: the last ``poly`` by a polynomial on the FMA and integer pipes,
-    the others by the MUFU's ex2 (as gl.exp2). The polynomial: x clamped at -127 (2^-127 gives 0
-    exactly, so -inf, a masked score, does too), n = round(x) by adding and subtracting 1.5 * 2^23,
-    f = x - n in [-0.5, 0.5], 2^f = 1 + f (c1 + f (c2 + f c3)) (a minimax fit of the relative error:
-    1.0e-4 at most, under bf16's 3.9e-3 rounding of P), and n added to the exponent bits."""
-    lines = []
-    for i in range(4):
-        if i < 4 - poly:
-            lines.append(f"ex2.approx.ftz.f32 ${i}, ${i + 4};")
-        else:
-            lines.append(
-                "{ .reg .f32 x, t, r, f, p; .reg .b32 e, b; "
-                f"max.ftz.f32 x, ${i + 4}, 0fC2FE0000; "  # -127
-                "add.rn.ftz.f32 t, x, 0f4B400000; sub.rn.ftz.f32 r, t, 0f4B400000; sub.rn.ftz.f32 f, x, r; "
-                "fma.rn.ftz.f32 p, f, 0f3D6150CB, 0f3E780610; fma.rn.ftz.f32 p, p, f, 0f3F317AFD; "
-                "fma.rn.ftz.f32 p, p, f, 0f3F800000; "
-                f"mov.b32 e, t; shl.b32 e, e, 23; mov.b32 b, p; add.s32 ${i}, b, e; }}")
-    return "\n".join(lines)
-
-
-_EX2_POLY1 = gl.constexpr(_ex2_asm(1))
-_EX2_POLY2 = gl.constexpr(_ex2_asm(2))
-
-
-@gluon.jit
-def _exp2(x, EXP_POLY: gl.constexpr):
-    """2^x (fp32): gl.exp2 (the MUFU) with EXP_POLY 0, else EXP_POLY of every four elements by a
-    polynomial on the FMA pipe (_ex2_asm): FlashAttention-4's offload of exp2 from the MUFU, whose
-    16 results per clock and SM bound the D=64 forward's softmax."""
-    if EXP_POLY == 0:
-        return gl.exp2(x)
-    elif EXP_POLY == 1:
-        return gl.inline_asm_elementwise(_EX2_POLY1, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                         pack=4)
-    else:
-        gl.static_assert(EXP_POLY == 2, "EXP_POLY: 0, 1 or 2 of every four elements")
-        return gl.inline_asm_elementwise(_EX2_POLY2, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                         pack=4)
-
-
 @gluon.jit
 def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_scale,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, EXP_POLY: gl.constexpr = 0):
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Online softmax of one block of raw scores ``s`` (exp2 domain, scale folded into one FMA).
     Returns the probabilities (fp32), the new running max and sum, and the rescale factor of the
     accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf."""
@@ -164,7 +123,7 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp2(s * qk_scale - gl.expand_dims(m_sub, 1), EXP_POLY)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -388,7 +347,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                    SPLIT_WAIT: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
+                    SPLIT_WAIT: gl.constexpr = False):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
@@ -423,7 +382,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
         if not SPLIT_WAIT:
             mbarrier.arrive(v_empty.index(v_prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
-                                             MASKED, CAUSAL, EXP_POLY)
+                                             MASKED, CAUSAL)
         if SPLIT_WAIT:  # P_{j-1} V_{j-1}, which ran through the softmax
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(v_prev))
@@ -436,7 +395,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr, EXP_POLY: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
@@ -496,18 +455,17 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
-            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL,
-                                                 EXP_POLY)
+            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
             p = gl.convert_layout(p32.to(dtype), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT, EXP_POLY)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT, EXP_POLY)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -571,7 +529,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
-    SPLIT_WAIT: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
+    SPLIT_WAIT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -615,19 +573,19 @@ def _fwd_ws_kernel(
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, EXP_POLY)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, EXP_POLY)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, EXP_POLY)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, EXP_POLY)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, EXP_POLY)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
