@@ -76,14 +76,14 @@ def resources(kernel) -> tuple[int, int]:
 
 
 def dump(kernel, stem: str) -> None:
-    """The kernel's PTX and SASS (cuobjdump -sass of its cubin) as STEM.ptx and STEM.sass."""
+    """The kernel's PTX and SASS (cuobjdump -sass of its cubin; its failure raises) as STEM.ptx and STEM.sass."""
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     with open(stem + ".ptx", "w") as f:
         f.write(kernel.asm["ptx"])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     with open(stem + ".sass", "w") as f:
         f.write(sass)
 
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--split-head-dims", type=int, nargs="+", default=[256], choices=[64, 128, 256],
                    help="head dims whose dK/dV split candidates (head-dim or gradient split) are compiled")
     p.add_argument("--dump", metavar="DIR",
-                   help="write each compiled kernel's PTX and SASS here (LABEL.KERNEL.ptx / .sass)")
+                   help="write each compiled kernel's PTX and SASS here (LABEL.N.KERNEL.ptx / .sass, N: its place "
+                        "among the case's kernels)")
     args = p.parse_args(argv)
 
     driver.set_active(_Sm90Driver())
@@ -250,6 +251,16 @@ def main(argv=None) -> int:
                                                                             fwd_tile=dict(SPLIT_WAIT=False))),
                 (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
                                                                             fwd_tile=dict(NC3, SPLIT_WAIT=True))),
+                # the P_CVT experiment (P rounded to 16 bits by inline PTX, without ptxas's PRMTs) at D=64
+                # (both masks: two and three consumers), D=128 causal and D=256
+                (f"gluon-p-cvt-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
+                                                                                 fwd_tile=dict(P_CVT=True))),
+                (f"gluon-p-cvt-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
+                                                                       fwd_tile=dict(NC3, P_CVT=True))),
+                (f"gluon-p-cvt-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
+                                                                              fwd_tile=dict(P_CVT=True))),
+                (f"gluon-p-cvt-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
+                                                                         fwd_tile=dict(P_CVT=True))),
                 (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
                                                                                  fwd_tile=dict(SPLIT_WAIT=False))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
@@ -361,7 +372,7 @@ def main(argv=None) -> int:
             print(f"{label:28} FAILED: {', '.join(sorted(missing))} not compiled (TRITONATTN_FWD_GLUON / "
                   "TRITONATTN_BWD_GLUON / the GLUON_VARLEN switches, fwd._gluon_ok / bwd._gluon_ok)")
             continue
-        for r in RESULTS[start:]:
+        for n, r in enumerate(RESULTS[start:]):
             regs, spill = resources(r["kernel"])
             smem = r["kernel"].metadata.shared
             cfg = " ".join(f"{k}={v}" for k, v in r["cfg"].items())
@@ -370,7 +381,7 @@ def main(argv=None) -> int:
             print(f"{label:28} {r['name']:24} {cfg:34} {regs:5d} {spill:6d} {smem:7d} {r['seconds']:9.1f}{flag}",
                   flush=True)
             if args.dump:
-                dump(r["kernel"], os.path.join(args.dump, f"{label}.{r['name']}"))
+                dump(r["kernel"], os.path.join(args.dump, f"{label}.{n}.{r['name']}"))
     print(f"\n{len(RESULTS)} kernels compiled for sm_90, {failures} failure(s)")
     return 1 if failures else 0
 

@@ -94,8 +94,8 @@ def _spy_on_configs(monkeypatch) -> dict:
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_CAUSAL_CASES,
                          ids=[case_id(*c) for c in SHORT_CAUSAL_CASES])
 def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
-    # the Triton kernels' short tiles (the Gluon kernels, which serve D=128 calls from 1024 causal
-    # tokens on sm_90: test_gluon_forward)
+    # the Triton kernels' short tiles (the Gluon kernels serve D=128 causal calls from their lengths
+    # in configs.GLUON_MIN_SEQLEN on sm_90: test_gluon_forward)
     monkeypatch.setattr(fwd, "GLUON", False)
     monkeypatch.setattr(bwd, "GLUON", False)
     picked = _spy_on_configs(monkeypatch)
@@ -130,8 +130,8 @@ SHORT_WIDE_CASES = [(32, 512, 512, 16, 16, 128, False, BF16), (17, 1000, 1024, 1
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", SHORT_WIDE_CASES, ids=[case_id(*c) for c in SHORT_WIDE_CASES])
 def test_short_wide_forward_tile(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
-    """The Triton forward's wide short tile (on sm_90 the Gluon forward serves D=128 calls from 512
-    tokens without a mask: turned off here)."""
+    """The Triton forward's wide short tile (on sm_90 the Gluon forward serves D=128 calls without a
+    mask from configs.GLUON_MIN_SEQLEN's length: turned off here)."""
     monkeypatch.setattr(fwd, "GLUON", False)
     picked, real = [], configs.forward_config
 
@@ -186,7 +186,7 @@ GLUON_CASES = [
     (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
     (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
-    (1, 511, 511, 4, 1, 128, False, F16),  # the Gluon forward (from 256), not the dK/dV kernel (512)
+    (1, 511, 511, 4, 1, 128, False, F16),  # the Gluon forward; one short of the dK/dV kernel's length (512)
     (1, 255, 255, 4, 1, 128, False, F16),  # the Gluon forward (from 128), not the dK/dV kernel
     (1, 127, 127, 4, 1, 128, False, F16),  # one short of D=128's length: neither
     # the forward's other head dims, from their own lengths (no Gluon dK/dV kernel there)
@@ -194,6 +194,7 @@ GLUON_CASES = [
     (1, 4100, 4096, 2, 1, 256, True, BF16),
     (1, 511, 500, 4, 2, 256, True, F16),  # the Gluon forward (from 128), not the dK/dV kernel (512)
     (1, 127, 120, 4, 2, 256, True, F16),  # one short of D=256's forward length: the Triton forward
+    (1, 127, 127, 4, 2, 256, False, BF16),  # the same without a mask
     (1, 8192, 8191, 4, 2, 64, True, F16),
     (1, 4095, 4095, 2, 2, 64, True, BF16),  # one short of D=64's causal length: the Triton forward
     (1, 4096, 4000, 4, 1, 64, False, BF16),
@@ -285,6 +286,11 @@ _FWD_TILES = {
     "D128-split-wait": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
     "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),
     "D256-split-wait": (256, {(256, False): dict(SPLIT_WAIT=False), (256, True): dict(SPLIT_WAIT=False)}, None),
+    # the P_CVT experiment (P rounded to 16 bits by inline PTX) against each head dim's default
+    "D64-p-cvt": (64, None, {(64, False): dict(_NC3, P_CVT=True), (64, True): dict(P_CVT=True)}),
+    "D128-p-cvt": (128, None, {(128, False): dict(P_CVT=True), (128, True): dict(P_CVT=True)}),
+    "D256-p-cvt": (256, None, {(256, False): dict(P_CVT=True), (256, True): dict(P_CVT=True)}),
+    "D128-p-cvt-fp16": (128, None, {(128, False): dict(P_CVT=True), (128, True): dict(P_CVT=True)}),  # its f16x2 cvt
 }
 
 
@@ -297,7 +303,8 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     against one Q buffer, three V slots and the output stored from registers; at D=64 three
     consumer warpgroups (192-row tiles) with O_TMA without a mask, and also with one, against two
     consumers; SPLIT_WAIT (the softmax of S_j while P_{j-1} V_{j-1} runs; the default at D=128 and
-    D=256) against the tile without it. A row's arithmetic is the same in all (the key blocks a
+    D=256) against the tile without it; P_CVT (P rounded by inline PTX, an experiment) against the
+    default, in fp16 too (a case named -fp16; the others bf16). A row's arithmetic is the same in all (the key blocks a
     larger tile visits past a row's diagonal add exact zeros). On one program per SM and on 7 (many tiles each: the Q
     buffers, the rings and the turns carry across tiles), dense (GQA, a length that is no multiple
     of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key); the
@@ -305,16 +312,17 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
     D, ref_tiles, run_tiles = _FWD_TILES[tiles]
+    dtype = F16 if tiles.endswith("-fp16") else BF16
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
     monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["fwd"], D, (0, 0))
     torch.manual_seed(5)
-    q = torch.randn(2, 1500, 8, D, device=DEVICE, dtype=BF16)
-    k, v = (torch.randn(2, 1500, 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
+    q = torch.randn(2, 1500, 8, D, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 1500, 2, D, device=DEVICE, dtype=dtype) for _ in range(2))
     lens_q, lens_k = [1300, 1, 1100, 900], [1300, 1100, 0, 2000]
     cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
                   for n in (lens_q, lens_k))
-    vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
-    vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
+    vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=dtype)
+    vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=dtype) for _ in range(2))
     seen, real = [], launch.launch
 
     def record(fn, grid, args, kwargs):
@@ -336,7 +344,9 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     default = dict(fwd.fwd_sm90.BY_MASK)
     monkeypatch.setattr(launch, "launch", record)
     ref = both(default if ref_tiles is None else ref_tiles)
+    ref_tile = seen[0][1]
     got = both(default if run_tiles is None else run_tiles)
+    assert seen[0][1] != ref_tile, ("the case compares a tile with itself", ref_tile)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
 

@@ -35,7 +35,8 @@ from tritonattn.testing import attention_ref, check_close  # noqa: E402
 
 def run(q, k, v, causal, tile, win_right=0, programs=None, poison=True):
     """tile: (BLOCK_N, STAGES, Q_BUFS, K_APART) of the library's Gluon forward (tritonattn/kernels/fwd_sm90.py;
-    two consumers, the output stored from registers: the tile tuner of the tenth-twentieth sessions),
+    two consumers, the output stored from registers, no SPLIT_WAIT: the tile tuner of the
+    tenth-twentieth sessions; the library's defaults since differ, fwd_sm90.TILES),
     on one program per SM or on ``programs``. ``poison``: out and lse start as NaN (the checks);
     timings pass False: in a graph replay the two fills are kernels too (9-11% of the forward at
     S=1024-2048, B=1-4, which the library's calls, timed beside it, do not pay; fourteenth session)."""

@@ -61,9 +61,11 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # products. D=64 without a mask, with O_TMA: +7% at S=512, +10% at 2048, +12% at 8192; with a
 # causal mask -11% / -15% / +3% at 512 / 2048 / 8192 (the diagonal blocks 1.5x as wide), so two.
 # SPLIT_WAIT (twenty-sixth session): the softmax of S_j while P_{j-1} V_{j-1} runs (_consumer_steps).
-# Forced-kernel A/B, graph replays, x without: D=256 +2..+8% from S=1024 (one cell of 16 -2%, in a run
+# Forced-kernel A/B, graph replays, x without: D=256 +2..+8% from S=1024 (one cell of 12 -2%, in a run
 # whose default cell was 9% off the other run's); D=128 +1..+4% from 1024 (one cell -2.7%, llama causal
 # 2048), +-1% at 512; D=64 within +-1.3% (off there).
+# P_CVT (experiment, off; twenty-sixth session): P rounded to 16 bits by inline PTX (_to16), without
+# the PRMT per register ptxas adds otherwise; the same arithmetic.
 HALF = gl.constexpr(64)  # a consumer warpgroup's query rows (the tile: NC of them, block_m)
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
@@ -89,7 +91,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False, P_CVT=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -105,6 +107,26 @@ def tile_flags(head_dim: int, causal: bool) -> dict:
     """The launch's tile constexprs (:func:`tile`), warps and register cap."""
     t = tile(head_dim, causal)
     return dict(t, num_warps=NUM_WARPS, maxnreg=MAXNREG if t["NC"] == 2 else MAXNREG_3)
+
+
+@gluon.jit
+def _to16(x, dtype: gl.constexpr, P_CVT: gl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16). P_CVT: by one cvt.rn.{bf16,f16}x2.f32 per pair
+    of a thread's elements (inline PTX, the lower element in the lower half, as the wgmma's register
+    operand takes them), the same rounding as ``x.to(dtype)``: where P is carried across the loop
+    as 16-bit values, ptxas packs them into a register halves swapped and adds a PRMT per register
+    before the P V product (32 per step at D=64 and 128, 16 at D=256; compile_check.py --dump);
+    the pairs packed in the asm come out in the wgmma's order."""
+    if P_CVT:
+        if dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                             is_pure=True, pack=2)
+        else:
+            gl.static_assert(dtype == gl.float16, "P_CVT: bf16 or fp16")
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+    else:
+        return x.to(dtype)
 
 
 @gluon.jit
@@ -347,7 +369,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                    SPLIT_WAIT: gl.constexpr = False):
+                    SPLIT_WAIT: gl.constexpr = False, P_CVT: gl.constexpr = False):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
@@ -387,7 +409,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(v_prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p = gl.convert_layout(p32.to(k_smem.dtype), p_layout)
+        p = gl.convert_layout(_to16(p32, k_smem.dtype, P_CVT), p_layout)
     return acc, p, m_i, l_i
 
 
@@ -395,13 +417,13 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr, P_CVT: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
     Gluon code turns its constexprs into tensors, so those come apart).
 
-    O_TMA (an experiment, two Q buffers only): the output goes through the consumer's own half of the
+    O_TMA (two Q buffers only): the output goes through the consumer's own half of the
     tile's Q buffer, free once its S products are done, and a TMA store; the buffer is released
     for a later tile's Q once the store has read it, not after the loops (the other buffer holds
     the next tile's Q meanwhile). DESC_ONCE: one descriptor over the whole output, as the
@@ -456,16 +478,16 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
             p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
-            p = gl.convert_layout(p32.to(dtype), p_layout)
+            p = gl.convert_layout(_to16(p32, dtype, P_CVT), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT, P_CVT)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT, P_CVT)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -529,7 +551,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
-    SPLIT_WAIT: gl.constexpr = False,
+    SPLIT_WAIT: gl.constexpr = False, P_CVT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -573,19 +595,19 @@ def _fwd_ws_kernel(
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
