@@ -261,6 +261,14 @@ def main(argv=None) -> int:
                                                                               fwd_tile=dict(P_CVT=True))),
                 (f"gluon-p-cvt-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
                                                                          fwd_tile=dict(P_CVT=True))),
+                # the ROWSUM_MMA experiment (the row sums by the tensor cores) at D=64 (both masks) and D=128
+                # (SPLIT_WAIT's waits)
+                (f"gluon-rowsum-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
+                                                                                  fwd_tile=dict(ROWSUM_MMA=True))),
+                (f"gluon-rowsum-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
+                                                                        fwd_tile=dict(NC3, ROWSUM_MMA=True))),
+                (f"gluon-rowsum-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
+                                                                               fwd_tile=dict(ROWSUM_MMA=True))),
                 (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
                                                                                  fwd_tile=dict(SPLIT_WAIT=False))),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call

@@ -294,6 +294,61 @@ _FWD_TILES = {
 }
 
 
+# tiles whose arithmetic differs from the default's (tested against the fp64 reference, not bitwise):
+# name -> (head dim, BY_MASK fields added at both masks)
+_FWD_TILES_NEAR = {
+    "D64-rowsum": (64, dict(ROWSUM_MMA=True)),
+    "D64-rowsum-p-cvt": (64, dict(ROWSUM_MMA=True, P_CVT=True)),
+    "D128-rowsum": (128, dict(ROWSUM_MMA=True)),
+}
+
+
+@pytest.mark.parametrize("tiles", list(_FWD_TILES_NEAR))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_tiles_near(tiles, causal, poison, monkeypatch):
+    """The ROWSUM_MMA experiment (the softmax's row sums by the tensor cores: the sum of the bf16 P
+    that P V weighs, where the default sums fp32 P): D=64 (three consumers without a mask) and D=128
+    (SPLIT_WAIT's waits), dense GQA at a length no multiple of the tile with causal rows that see no
+    key (Sq > Sk: their sum must stay 0), gradients through the backward (which reads this lse), and
+    packed sequences (one of one query, one of no key), within the fp64 reference's tolerance; the
+    Gluon kernel taken with the tile asked for."""
+    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    D, fields = _FWD_TILES_NEAR[tiles]
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["fwd"], D, (0, 0))
+    monkeypatch.setattr(fwd.fwd_sm90, "BY_MASK", {(D, m): dict(fwd.fwd_sm90.BY_MASK.get((D, m), {}), **fields)
+                                                 for m in (False, True)})
+    seen, real = [], launch.launch
+
+    def record(fn, grid, args, kwargs):
+        if fn.__name__ == "_fwd_ws_kernel":
+            seen.append({name: kwargs[name] for name in fields})
+        real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", record)
+    plan.clear()
+    torch.manual_seed(9)
+    q, k, v = random_qkv(2, 1500, 1300, 8, 2, D, BF16, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    check_against_reference(q, k, v, out, lse, torch.autograd.grad(out, (q, k, v), dout), dout, causal)
+    lens_q, lens_k = [1300, 1, 900, 2000], [1300, 1100, 0, 700]
+    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
+    vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
+    vout, vlse, _ = flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                           return_attn_probs=True)
+    assert len(seen) >= 2 and all(t == fields for t in seen), seen  # (a launch per length class)
+    for b in range(len(lens_q)):
+        (qa, qz), (ka, kz) = cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist()
+        if kz == ka:
+            assert (vout[qa:qz] == 0).all()  # no key: the output is 0 (flash-attn's convention)
+            continue
+        check_against_reference(vq[None, qa:qz], vk[None, ka:kz], vv[None, ka:kz], vout[None, qa:qz],
+                                vlse[:, qa:qz][None], None, None, causal)
+
+
 @pytest.mark.parametrize("tiles", list(_FWD_TILES))
 @pytest.mark.parametrize("programs", [None, 7], ids=["per-SM", "7-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
