@@ -122,6 +122,21 @@ def main(argv=None) -> int:
     PLAIN = dict(Q_BUFS=1, V_STAGES=3, O_TMA=False, SPLIT_WAIT=False)
     NC3 = dict(NC=3, Q_BUFS=2, O_TMA=True)  # D=64's tile without a mask
 
+    # the shapes a Gluon forward tile experiment compiles on: (head dim, causal, length, tile fields of the
+    # shape: D=64 without a mask is three consumers)
+    fwd_tile_shapes = {"causal-D64": (64, True, 8192, {}), "full-D64": (64, False, 4096, NC3),
+                       "causal": (128, True, 2048, {}), "full": (128, False, 2048, {}),
+                       "full-D256": (256, False, 2048, {})}
+
+    def fwd_tile_cases(name, dt, fields, *shapes):
+        """Cases gluon-NAME-SHAPE-DT: the Gluon forward alone with ``fields`` set in its tile."""
+        cases = []
+        for shape in shapes:
+            D, causal, s, tile = fwd_tile_shapes[shape]
+            cases.append((f"gluon-{name}-{shape}-{dt}", D, dtypes[dt], dict(win_right=0) if causal else {},
+                          dict(s=s, gluon=True, fwd_only=True, fwd_tile=dict(tile, **fields))))
+        return cases
+
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, fwd_tile=None,
             **kw):
         with contextlib.ExitStack() as stack:
@@ -245,32 +260,14 @@ def main(argv=None) -> int:
                                                                               fwd_only=True)),
                 (f"gluon-nc3-varlen-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_tile=NC3,
                                                                               varlen=True, fwd_only=True)),
-                # the Gluon forward without SPLIT_WAIT (the softmax while the last P V runs; the default at
-                # D=128 and D=256) at D=128 and D=256 without a mask, and with it at D=64 (three consumers)
-                (f"gluon-no-split-wait-full-{dt}", 128, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
-                                                                            fwd_tile=dict(SPLIT_WAIT=False))),
-                (f"gluon-split-wait-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
-                                                                            fwd_tile=dict(NC3, SPLIT_WAIT=True))),
-                # the P_CVT experiment (P rounded to 16 bits by inline PTX, without ptxas's PRMTs) at D=64
-                # (both masks: two and three consumers), D=128 causal and D=256
-                (f"gluon-p-cvt-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
-                                                                                 fwd_tile=dict(P_CVT=True))),
-                (f"gluon-p-cvt-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
-                                                                       fwd_tile=dict(NC3, P_CVT=True))),
-                (f"gluon-p-cvt-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
-                                                                              fwd_tile=dict(P_CVT=True))),
-                (f"gluon-p-cvt-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
-                                                                         fwd_tile=dict(P_CVT=True))),
-                # the ROWSUM_MMA experiment (the row sums by the tensor cores) at D=64 (both masks) and D=128
-                # (SPLIT_WAIT's waits)
-                (f"gluon-rowsum-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True, fwd_only=True,
-                                                                                  fwd_tile=dict(ROWSUM_MMA=True))),
-                (f"gluon-rowsum-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fwd_only=True,
-                                                                        fwd_tile=dict(NC3, ROWSUM_MMA=True))),
-                (f"gluon-rowsum-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, fwd_only=True,
-                                                                               fwd_tile=dict(ROWSUM_MMA=True))),
-                (f"gluon-no-split-wait-full-D256-{dt}", 256, dtypes[dt], {}, dict(s=2048, gluon=True, fwd_only=True,
-                                                                                 fwd_tile=dict(SPLIT_WAIT=False))),
+                # tile experiments of the Gluon forward, on the shapes named in fwd_tile_cases: without
+                # SPLIT_WAIT (the softmax while the last P V runs; the default at D=128 and D=256), with it at
+                # D=64 (three consumers); P_CVT (P rounded to 16 bits by inline PTX, without ptxas's PRMTs);
+                # ROWSUM_MMA (the row sums by the tensor cores; D=128: with SPLIT_WAIT's waits)
+                *fwd_tile_cases("no-split-wait", dt, dict(SPLIT_WAIT=False), "full", "full-D256"),
+                *fwd_tile_cases("split-wait", dt, dict(SPLIT_WAIT=True), "full-D64"),
+                *fwd_tile_cases("p-cvt", dt, dict(P_CVT=True), "causal-D64", "full-D64", "causal", "full-D256"),
+                *fwd_tile_cases("rowsum", dt, dict(ROWSUM_MMA=True), "causal-D64", "full-D64", "causal"),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
