@@ -28,6 +28,11 @@ DTYPE_OF_SIZE = {2: (BF16, F16), 4: (F32,)}
 HEAD_DIM_OF_BLOCK = {16: [8, 16], 32: [32], 64: [40, 64], 128: [80, 96, 128], 256: [160, 192, 256]}
 
 
+def _cu_seqlens(lens):
+    """cu_seqlens (int32, on the test device) of packed sequences of these lengths."""
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+
+
 def _table_cases():
     cases = []
     for block_d, elem, causal in sorted(configs.table_configs()["fwd"]):
@@ -333,8 +338,7 @@ def test_gluon_forward_tiles_near(tiles, causal, poison, monkeypatch):
     dout = torch.randn_like(out)
     check_against_reference(q, k, v, out, lse, torch.autograd.grad(out, (q, k, v), dout), dout, causal)
     lens_q, lens_k = [1300, 1, 900, 2000], [1300, 1100, 0, 700]
-    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
-                  for n in (lens_q, lens_k))
+    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
     vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
     vout, vlse, _ = flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
@@ -374,8 +378,7 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     q = torch.randn(2, 1500, 8, D, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(2, 1500, 2, D, device=DEVICE, dtype=dtype) for _ in range(2))
     lens_q, lens_k = [1300, 1, 1100, 900], [1300, 1100, 0, 2000]
-    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
-                  for n in (lens_q, lens_k))
+    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=dtype)
     vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=dtype) for _ in range(2))
     seen, real = [], launch.launch
@@ -608,7 +611,7 @@ def _packed_run(lens, Hq, Hkv, causal, seed):
     from tritonattn import flash_attn_varlen_func
 
     torch.manual_seed(seed)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu = _cu_seqlens(lens)
     total = sum(lens)
     qkv = tuple(torch.randn(total, h, 128, device=DEVICE, dtype=BF16, requires_grad=True) for h in (Hq, Hkv, Hkv))
     out, lse, _ = flash_attn_varlen_func(*qkv, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
@@ -646,8 +649,7 @@ def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
         monkeypatch.setattr(fwd.fwd_sm90, "HEADS_PER_SECTION", 3)
     lens_q, lens_k = [2100, 5, 3000, 0, 1, 1300], [2100, 0, 2999, 7, 4095, 2500]
     torch.manual_seed(11)
-    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
-                  for n in (lens_q, lens_k))
+    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     q = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16, requires_grad=True)
     k, v = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
     names = _launched(monkeypatch)
@@ -932,8 +934,7 @@ def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):
     monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
     lens_q, lens_k = [2100, 5, 0, 1, 1300, 77], [2100, 0, 7, 4095, 2500, 77]
     torch.manual_seed(5)
-    cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device=DEVICE)
-                  for n in (lens_q, lens_k))
+    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
     q = torch.randn(sum(lens_q), 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
     k, v = (torch.randn(sum(lens_k), 2, 128, device=DEVICE, dtype=BF16, requires_grad=True) for _ in range(2))
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
@@ -1071,7 +1072,7 @@ def test_atomic_dq_varlen_on_gpu(monkeypatch, poison):
     monkeypatch.setenv("TRITONATTN_ATOMIC_DQ_TMA", "1")
     torch.manual_seed(3)
     lens = [700, 1, 0, 333, 129]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu = _cu_seqlens(lens)
     total = sum(lens)
     q = torch.randn(total, 8, 128, device=DEVICE, dtype=BF16, requires_grad=True)
     k = torch.randn(total, 2, 128, device=DEVICE, dtype=BF16, requires_grad=True)
