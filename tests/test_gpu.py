@@ -291,66 +291,9 @@ _FWD_TILES = {
     "D128-split-wait": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
     "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),
     "D256-split-wait": (256, {(256, False): dict(SPLIT_WAIT=False), (256, True): dict(SPLIT_WAIT=False)}, None),
-    # the P_CVT experiment (P rounded to 16 bits by inline PTX) against each head dim's default
-    "D64-p-cvt": (64, None, {(64, False): dict(_NC3, P_CVT=True), (64, True): dict(P_CVT=True)}),
-    "D128-p-cvt": (128, None, {(128, False): dict(P_CVT=True), (128, True): dict(P_CVT=True)}),
-    "D256-p-cvt": (256, None, {(256, False): dict(P_CVT=True), (256, True): dict(P_CVT=True)}),
-    "D128-p-cvt-fp16": (128, None, {(128, False): dict(P_CVT=True), (128, True): dict(P_CVT=True)}),  # its f16x2 cvt
+    # (fp16: the f16x2 rounding of P in both tiles)
+    "D128-split-wait-fp16": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
 }
-
-
-# tiles whose arithmetic differs from the default's (tested against the fp64 reference, not bitwise):
-# name -> (head dim, BY_MASK fields added at both masks)
-_FWD_TILES_NEAR = {
-    "D64-rowsum": (64, dict(ROWSUM_MMA=True)),
-    "D64-rowsum-p-cvt": (64, dict(ROWSUM_MMA=True, P_CVT=True)),
-    "D128-rowsum": (128, dict(ROWSUM_MMA=True)),
-}
-
-
-@pytest.mark.parametrize("tiles", list(_FWD_TILES_NEAR))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_forward_tiles_near(tiles, causal, poison, monkeypatch):
-    """The ROWSUM_MMA experiment (the softmax's row sums by the tensor cores: the sum of the bf16 P
-    that P V weighs, where the default sums fp32 P): D=64 (three consumers without a mask) and D=128
-    (SPLIT_WAIT's waits), dense GQA at a length no multiple of the tile with causal rows that see no
-    key (Sq > Sk: their sum must stay 0), gradients through the backward (which reads this lse), and
-    packed sequences (one of one query, one of no key), within the fp64 reference's tolerance; the
-    Gluon kernel taken with the tile asked for."""
-    if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
-        pytest.skip("the Gluon kernels run on sm_90 GPUs only")
-    D, fields = _FWD_TILES_NEAR[tiles]
-    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["fwd"], D, (0, 0))
-    monkeypatch.setattr(fwd.fwd_sm90, "BY_MASK", {(D, m): dict(fwd.fwd_sm90.BY_MASK.get((D, m), {}), **fields)
-                                                 for m in (False, True)})
-    seen, real = [], launch.launch
-
-    def record(fn, grid, args, kwargs):
-        if fn.__name__ == "_fwd_ws_kernel":
-            seen.append({name: kwargs[name] for name in fields})
-        real(fn, grid, args, kwargs)
-
-    monkeypatch.setattr(launch, "launch", record)
-    plan.clear()
-    torch.manual_seed(9)
-    q, k, v = random_qkv(2, 1500, 1300, 8, 2, D, BF16, DEVICE)
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    dout = torch.randn_like(out)
-    check_against_reference(q, k, v, out, lse, torch.autograd.grad(out, (q, k, v), dout), dout, causal)
-    lens_q, lens_k = [1300, 1, 900, 2000], [1300, 1100, 0, 700]
-    cu_q, cu_k = _cu_seqlens(lens_q), _cu_seqlens(lens_k)
-    vq = torch.randn(sum(lens_q), 8, D, device=DEVICE, dtype=BF16)
-    vk, vv = (torch.randn(sum(lens_k), 2, D, device=DEVICE, dtype=BF16) for _ in range(2))
-    vout, vlse, _ = flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                           return_attn_probs=True)
-    assert len(seen) >= 2 and all(t == fields for t in seen), seen  # (a launch per length class)
-    for b in range(len(lens_q)):
-        (qa, qz), (ka, kz) = cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist()
-        if kz == ka:
-            assert (vout[qa:qz] == 0).all()  # no key: the output is 0 (flash-attn's convention)
-            continue
-        check_against_reference(vq[None, qa:qz], vk[None, ka:kz], vv[None, ka:kz], vout[None, qa:qz],
-                                vlse[:, qa:qz][None], None, None, causal)
 
 
 @pytest.mark.parametrize("tiles", list(_FWD_TILES))
@@ -362,12 +305,12 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     against one Q buffer, three V slots and the output stored from registers; at D=64 three
     consumer warpgroups (192-row tiles) with O_TMA without a mask, and also with one, against two
     consumers; SPLIT_WAIT (the softmax of S_j while P_{j-1} V_{j-1} runs; the default at D=128 and
-    D=256) against the tile without it; P_CVT (P rounded by inline PTX, an experiment) against the
-    default, in fp16 too (a case named -fp16; the others bf16). A row's arithmetic is the same in all (the key blocks a
-    larger tile visits past a row's diagonal add exact zeros). On one program per SM and on 7 (many tiles each: the Q
-    buffers, the rings and the turns carry across tiles), dense (GQA, a length that is no multiple
-    of the tile) and packed (per-tile descriptors; a sequence of one query and one of no key); the
-    Gluon kernel at every length here (GLUON_MIN_SEQLEN 0), and both calls take the tile asked for."""
+    D=256) against the tile without it, in fp16 too (a case named -fp16; the others bf16). A row's
+    arithmetic is the same in all (the key blocks a larger tile visits past a row's diagonal add
+    exact zeros). On one program per SM and on 7 (many tiles each: the Q buffers, the rings and the
+    turns carry across tiles), dense (GQA, a length that is no multiple of the tile) and packed
+    (per-tile descriptors; a sequence of one query and one of no key); the Gluon kernel at every
+    length here (GLUON_MIN_SEQLEN 0), and both calls take the tile asked for."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
     D, ref_tiles, run_tiles = _FWD_TILES[tiles]

@@ -14,8 +14,9 @@ hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32, Hkv=8).
 (Switches measured with it: twenty-fourth session, O_SHFL, the O store's layouts, now the kernel's
 only store; Q_PREFETCH, removed; twenty-fifth session, V_STAGES / Q_BUFS / O_TMA and NC, now in TILES
 and BY_MASK; twenty-sixth session, SPLIT_WAIT, now on at D=128 / 256, and EXP_POLY (exp2 partly on
-the FMA pipe), removed: -3..-13%. A setting whose output differs from the first's, as EXP_POLY's
-did, gets a row with the largest difference.)
+the FMA pipe), removed: -3..-13%; twenty-seventh session, P_CVT (P rounded by inline PTX), now the
+only rounding, and ROWSUM_MMA (row sums by the tensor cores), removed. A setting whose output
+differs from the first's, as EXP_POLY's and ROWSUM_MMA's did, gets a row with the largest difference.)
 """
 
 from __future__ import annotations

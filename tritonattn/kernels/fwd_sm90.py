@@ -64,11 +64,11 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # Forced-kernel A/B, graph replays, x without: D=256 +2..+8% from S=1024 (one cell of 12 -2%, in a run
 # whose default cell was 9% off the other run's); D=128 +1..+4% from 1024 (one cell -2.7%, llama causal
 # 2048), +-1% at 512; D=64 within +-1.3% (off there).
-# P_CVT (experiment, off; twenty-sixth session): P rounded to 16 bits by inline PTX (_to16), without
-# the PRMT per register ptxas adds otherwise; the same arithmetic.
-# ROWSUM_MMA (experiment, off; twenty-sixth session): the softmax's row sums by the tensor cores, P times a
-# tile of ones beside P V (64 FADD per thread and step fewer at D=64; the sum of the bf16-rounded P,
-# the weights of P V, where the default sums P in fp32).
+# P rounded to 16 bits by inline PTX (_to16; twenty-seventh session, bitwise the same output): forced-kernel
+# A/B, graph replays, x .to(dtype): D=64 +2..+5% (one cell of 6 -1.9%, S=2048 full), D=128 causal
+# +1.6..+4.9%, full +-0.7%, D=256 -0.8..+1.1%.
+# (ROWSUM_MMA, the row sums by the tensor cores as P times a tile of ones, measured and removed in the
+# twenty-seventh session: D=64 -6..+6%, flat from 2048 but for -6% at 2048 full; not the bitwise output.)
 HALF = gl.constexpr(64)  # a consumer warpgroup's query rows (the tile: NC of them, block_m)
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
@@ -94,7 +94,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False, P_CVT=False, ROWSUM_MMA=False)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -113,28 +113,25 @@ def tile_flags(head_dim: int, causal: bool) -> dict:
 
 
 @gluon.jit
-def _to16(x, dtype: gl.constexpr, P_CVT: gl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16). P_CVT: by one cvt.rn.{bf16,f16}x2.f32 per pair
-    of a thread's elements (inline PTX, the lower element in the lower half, as the wgmma's register
-    operand takes them), the same rounding as ``x.to(dtype)``: where P is carried across the loop
-    as 16-bit values, ptxas packs them into a register halves swapped and adds a PRMT per register
-    before the P V product (32 per step at D=64 and 128, 16 at D=256; compile_check.py --dump);
-    the pairs packed in the asm come out in the wgmma's order."""
-    if P_CVT:
-        if dtype == gl.bfloat16:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                             is_pure=True, pack=2)
-        else:
-            gl.static_assert(dtype == gl.float16, "P_CVT: bf16 or fp16")
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                             is_pure=True, pack=2)
+def _to16(x, dtype: gl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) by one cvt.rn.{bf16,f16}x2.f32 per pair of a
+    thread's elements (inline PTX, the lower element in the lower half, as the wgmma's register
+    operand takes them), the same rounding as ``x.to(dtype)``: where P is carried across the loop as
+    16-bit values, ``x.to(dtype)`` left ptxas packing them into a register halves swapped and adding a
+    PRMT per register before the P V product (32 per step at D=64 and 128, 16 at D=256;
+    compile_check.py --dump); the pairs packed here come out in the wgmma's order."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
     else:
-        return x.to(dtype)
+        gl.static_assert(dtype == gl.float16, "P: bf16 or fp16")
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)
 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_scale,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROWSUM_MMA: gl.constexpr = False):
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Online softmax of one block of raw scores ``s`` (exp2 domain, scale folded into one FMA).
     Returns the probabilities (fp32), the new running max and sum, and the rescale factor of the
     accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf."""
@@ -150,8 +147,7 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
-    if not ROWSUM_MMA:  # (else the caller's products sum the rows: _consumer_steps)
-        l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 
@@ -373,8 +369,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                    SPLIT_WAIT: gl.constexpr = False, P_CVT: gl.constexpr = False, ones=None,
-                    ROWSUM_MMA: gl.constexpr = False):
+                    SPLIT_WAIT: gl.constexpr = False):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
@@ -397,13 +392,9 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
         mbarrier.wait(turn_bars.index(WG), ((T + j) & 1) ^ FIRST)
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, v_smem.index(v_prev), acc, is_async=True)
-        if ROWSUM_MMA:  # l_i: P_{j-1}'s row sums, a column per ones column
-            l_i = warpgroup_mma(p, ones.permute((1, 0)), l_i, is_async=True)
         mbarrier.arrive(turn_bars.index((WG + 1) % NC))
         if SPLIT_WAIT:
-            s = warpgroup_mma_wait(num_outstanding=2 if ROWSUM_MMA else 1, deps=(s, ))
-        elif ROWSUM_MMA:
-            s, acc, p, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p, l_i))
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         else:
             s, acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, p))
         if K_APART:
@@ -413,17 +404,12 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
         if not SPLIT_WAIT:
             mbarrier.arrive(v_empty.index(v_prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
-                                             MASKED, CAUSAL, ROWSUM_MMA)
+                                             MASKED, CAUSAL)
         if SPLIT_WAIT:  # P_{j-1} V_{j-1}, which ran through the softmax
-            if ROWSUM_MMA:
-                acc, p, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p, l_i))
-            else:
-                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(v_prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        if ROWSUM_MMA:
-            l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
-        p = gl.convert_layout(_to16(p32, k_smem.dtype, P_CVT), p_layout)
+        p = gl.convert_layout(_to16(p32, k_smem.dtype), p_layout)
     return acc, p, m_i, l_i
 
 
@@ -431,7 +417,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr, P_CVT: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
@@ -444,7 +430,7 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
     producer's; else one per tile over its sequence and head."""
     (O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem, q_bars, q_empty,
      k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk, causal_shift, win_right,
-     CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF, ones) = args
+     CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF) = args
     BLOCK_M: gl.constexpr = NC * HALF
     FIRST: gl.constexpr = 1 if WG == 0 else 0
     dtype: gl.constexpr = q_smem.dtype
@@ -453,8 +439,6 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # ROWSUM_MMA: the row sums as P times a tile of ones, eight equal columns
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
     if O_TMA:
@@ -477,10 +461,7 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             row0 = start_m + WG * HALF
             offs_m = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            if ROWSUM_MMA:
-                l_i = gl.zeros([HALF, 8], gl.float32, l_layout)
-            else:
-                l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
             qb = i % Q_BUFS
             q = q_smem.index(NC * qb + WG)
@@ -496,18 +477,17 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
-            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL,
-                                                 ROWSUM_MMA)
-            p = gl.convert_layout(_to16(p32, dtype, P_CVT), p_layout)
+            p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True, CAUSAL)
+            p = gl.convert_layout(_to16(p32, dtype), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT, P_CVT, ones, ROWSUM_MMA)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT, P_CVT, ones, ROWSUM_MMA)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -517,14 +497,8 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             mbarrier.wait(v_bars.index(last % V_STAGES), (last // V_STAGES) & 1)
             mbarrier.wait(turn_bars.index(WG), ((T + nb) & 1) ^ FIRST)
             acc = warpgroup_mma(p, v_smem.index(last % V_STAGES), acc, is_async=True)
-            if ROWSUM_MMA:
-                l_i = warpgroup_mma(p, ones.permute((1, 0)), l_i, is_async=True)
             mbarrier.arrive(turn_bars.index((WG + 1) % NC))
-            if ROWSUM_MMA:
-                acc, p, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p, l_i))
-                l_i = gl.convert_layout(gl.max(l_i, 1), gl.SliceLayout(1, s_layout))
-            else:
-                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             _stamp(TRACE_BUF, i, 8 * WG + 4, TRACE)
             mbarrier.arrive(v_empty.index(last % V_STAGES))
             if not K_APART:
@@ -577,7 +551,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
-    SPLIT_WAIT: gl.constexpr = False, P_CVT: gl.constexpr = False, ROWSUM_MMA: gl.constexpr = False,
+    SPLIT_WAIT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -599,13 +573,6 @@ def _fwd_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
-    if ROWSUM_MMA:  # eight rows of ones (K-major: the B operand [BLOCK_N, 8] of P times it), read by every consumer
-        ones = gl.allocate_shared_memory(dtype, [8, BLOCK_N], tile_layout)
-        ones.store(gl.full([8, BLOCK_N], 1.0, dtype, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
-        fence_async_shared()
-        gl.thread_barrier()
-    else:
-        ones = k_smem  # (unread)
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NC)  # every consumer is done with the buffer
@@ -621,26 +588,26 @@ def _fwd_ws_kernel(
 
     args = (O, LSE, stride_ob, stride_om, stride_oh, stride_lse_b, stride_lse_h, q_smem, k_smem, v_smem, q_bars,
             q_empty, k_bars, v_bars, k_empty, v_empty, turn_bars, n_tiles, n_m, BH, SEC, Hq, GROUP, Sq, Sk,
-            causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF, ones)
+            causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, qk_scale, TRACE_BUF)
     pargs = (Q, K, V, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
              q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, k_empty, v_empty, n_tiles, n_m, BH, SEC, Hq,
              GROUP, Sq, Sk, causal_shift, win_right, CU_Q, CU_K, LEN_LO, LEN_HI, TRACE_BUF)
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT, ROWSUM_MMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT, ROWSUM_MMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT, ROWSUM_MMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT, ROWSUM_MMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, P_CVT, ROWSUM_MMA)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
