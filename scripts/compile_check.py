@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False, desc_3d=False, split_waits=False, expand_kv=False, fwd_only=False):
+                 s=256, b=2, fused_dq=False, desc_3d=False, split_waits=None, expand_kv=False, fwd_only=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -194,7 +194,10 @@ def main(argv=None) -> int:
         os.environ["TRITONATTN_ATOMIC_DQ_TMA"] = "1" if dq_tma else "0"
         os.environ["TRITONATTN_BWD_FUSED_DQ"] = {False: "0", True: "1"}.get(fused_dq, fused_dq)
         os.environ["TRITONATTN_BWD_DESC_3D"] = "1" if desc_3d else "0"
-        os.environ["TRITONATTN_BWD_SPLIT_WAITS"] = "1" if split_waits else "0"
+        if split_waits is None:  # the library's default by head dim (configs.BWD_SPLIT_WAITS)
+            os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
+        else:
+            os.environ["TRITONATTN_BWD_SPLIT_WAITS"] = "1" if split_waits else "0"
         try:
             attention_backward(out, q, k, v, out, lse, var, bias_shape=(B, 1, S, S) if bias_grad else None)
         finally:
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
             os.environ.pop("TRITONATTN_ATOMIC_DQ_TMA")
             os.environ.pop("TRITONATTN_BWD_FUSED_DQ")
             os.environ.pop("TRITONATTN_BWD_DESC_3D")
-            os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS")
+            os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -245,6 +248,8 @@ def main(argv=None) -> int:
                 (f"gluon-fused-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True)),
                 (f"gluon-fused-dq-varlen-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, varlen=True,
                                                                           fused_dq=True)),
+                # D=64 (128-row tiles; forced: no table entry there, the split dQ wins, NOTES twenty-seventh session)
+                (f"gluon-fused-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq="all")),
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)
@@ -268,14 +273,15 @@ def main(argv=None) -> int:
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),
-                # the opt-in TRITONATTN_BWD_SPLIT_WAITS=1: the dK/dV consumers await a step's products one
-                # at a time; causal (split dQ), the fused dQ forced (without a mask at 4096), D=64 causal
+                # TRITONATTN_BWD_SPLIT_WAITS=1 (the default at D=64 only): the dK/dV consumers await a step's
+                # products one at a time; causal (split dQ), the fused dQ forced (without a mask at 4096); and
+                # =0 at D=64 causal
                 (f"gluon-bwd-split-waits-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                         split_waits=True)),
                 (f"gluon-bwd-split-waits-fused-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
                                                                                split_waits=True)),
-                (f"gluon-bwd-split-waits-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True,
-                                                                                           split_waits=True)),
+                (f"gluon-bwd-no-split-waits-causal-D64-{dt}", 64, dtypes[dt], dict(base),
+                 dict(s=8192, gluon=True, split_waits=False)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed

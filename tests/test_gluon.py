@@ -582,6 +582,34 @@ def test_dkdv_experiment_switch_is_in_the_plan_key(monkeypatch, switch, flag):
     assert flags == [[False], [True], [False]], flags
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_dkdv_split_waits_by_head_dim(monkeypatch, D):
+    """The dK/dV kernel's SPLIT_WAITS by default where configs.BWD_SPLIT_WAITS has the head dim (D=64,
+    measured to gain there; D=128 lost), and TRITONATTN_BWD_SPLIT_WAITS=0 / 1 over it either way."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
+    S = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][1] + 37
+    q, k, v = qkv(Sq=S, Sk=S, D=D)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
+    plan.clear()
+    flags = []
+    for env in (None, "0", "1"):
+        if env is None:
+            monkeypatch.delenv("TRITONATTN_BWD_SPLIT_WAITS", raising=False)
+        else:
+            monkeypatch.setenv("TRITONATTN_BWD_SPLIT_WAITS", env)
+        seen.clear()
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
+        flags.append([kw["SPLIT_WAITS"] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])
+    assert flags == [[D in configs.BWD_SPLIT_WAITS], [False], [True]], flags
+    assert (D == 64) == (D in configs.BWD_SPLIT_WAITS)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_forward_launch_by_head_dim(monkeypatch, D, causal):

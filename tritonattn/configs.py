@@ -343,6 +343,13 @@ SHORT_SEQLEN = 1024
 # D=64 from 512 was 1.08x / 1.14x in the tuner (GQA, 4 heads per program) but took the fa grid's
 # MHA backward at 512 from 0.96x / 0.99x cuDNN to 0.84x / 0.86x (programs of one head, 4 query
 # blocks: fill and drain), so D=64 keeps 1024.
+# Head dims whose Gluon dK/dV kernel awaits a step's products one at a time (bwd_sm90._steps
+# SPLIT_WAITS: P^T while dP^T runs, dS^T while dV's product runs; bitwise the same gradients).
+# TRITONATTN_BWD_SPLIT_WAITS=0 / 1 overrides. H200, D=64 (MHA, 32 heads, B=4, S=4096, two runs each,
+# the kernel's time): 1.01-1.02x without a mask, 1.08-1.10x causal (twenty-seventh session); whole
+# backward 1.01-1.03x (twenty-fifth). D=128: 0.93-1.00x (off). Not with the fused dQ (opt-in or
+# forced at D=64: not measured there).
+BWD_SPLIT_WAITS = frozenset({64})
 GLUON_MIN_SEQLEN = {
     "fwd": {64: (512, 4096), 128: (128, 512), 256: (128, 128)},
     "bwd_dkdv": {128: (512, 2048), 64: (1024, 1024), 256: (512, 512)},

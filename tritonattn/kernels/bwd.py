@@ -662,7 +662,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     atomic_dq = atomic_dq_enabled() and not var.deterministic
     fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
-    split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS")
+    split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -758,7 +758,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
                       FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None,
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
-                      DESC_3D=desc_3d, SPLIT_WAITS=split_waits))
+                      DESC_3D=desc_3d,
+                      SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
+                      else split_waits))
 
     dqa = None
     if fused:
