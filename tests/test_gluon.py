@@ -380,6 +380,47 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK
 
 
+@pytest.mark.parametrize("section,heads", [(None, 0), ("0", 0), ("3", 3), ("100", 8), ("auto", 6)])
+def test_fused_dq_section_launch(monkeypatch, section, heads):
+    """TRITONATTN_BWD_FUSED_SECTION (an experiment, bwd_sm90.section_order): the ordered fused dQ's
+    Gluon launch on a 1-d grid of the same programs with SECTION kv heads per section (at most the
+    call's 2 x 4), the rule's ("auto": enough heads for SECTION_WAVES waves of programs, here 6 of 8
+    with 20 SMs and 7 key blocks); unset or 0 the 2-d grid. Only the ordered fused dQ takes it: the
+    split dQ's dK/dV launch keeps its grid."""
+    from tritonattn.kernels import launch, plan
+
+    if section is not None:
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", section)
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 20)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
+    S = 7 * bwd.bwd_sm90.BLOCK_N - 5  # 7 key blocks
+    assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0]
+    q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
+    for env in (section, "0"):
+        if env is not None:
+            monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
+        plan.clear()
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
+        (grid, kwargs), = [(g, kw) for name, g, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+        assert kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"]
+        if env == section:
+            assert kwargs["SECTION"] == heads and tuple(grid) == ((7 * 2 * 4,) if heads else (7, 2 * 4)), (grid, kwargs)
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # the split dQ: the dK/dV launch keeps the 2-d grid
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", "3")
+    plan.clear()
+    del seen[:]
+    bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
+    (grid, kwargs), = [(g, kw) for name, g, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+    assert kwargs["SECTION"] == 0 and tuple(grid) == (7, 2 * 4) and not kwargs["FUSED_DQ"]
+
+
 @pytest.mark.parametrize("env", [None, "0", "all"], ids=["default", "off", "all"])
 def test_fused_dq_launches(monkeypatch, env):
     """The backward's fused dQ (configs.FUSED_DQ_MIN_SEQLEN, bwd.fused_dq_mode; CPU tensors as if

@@ -982,6 +982,56 @@ def test_gluon_fused_dq_more_programs_than_sms_on_gpu(causal, monkeypatch, poiso
         torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
 
 
+# (batch, queries, keys, query heads, kv heads, causal, TRITONATTN_BWD_FUSED_SECTION): a last section of
+# fewer heads (3, 3, 2 of 8), one section of every head (1000), the rule, GQA, and a kv head with
+# more key blocks than the GPU has SMs (None: that length), both heads in one section
+FUSED_SECTION_CASES = [
+    (2, 1500, 1700, 16, 4, False, "3"), (2, 1700, 1500, 16, 4, True, "3"), (1, 2100, 2100, 8, 8, False, "1000"),
+    (2, 3000, 3000, 8, 2, True, "auto"), (1, None, None, 4, 2, False, "2"),
+]
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,causal,section", FUSED_SECTION_CASES,
+                         ids=[f"{c[6]}-H{c[3]}/{c[4]}-{'causal' if c[5] else 'full'}" for c in FUSED_SECTION_CASES])
+def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, monkeypatch, poison):
+    """TRITONATTN_BWD_FUSED_SECTION (an experiment, bwd_sm90.section_order): the ordered fused dQ's
+    programs on a 1-d grid in sections of kv heads, key blocks outer inside each. Every program maps to
+    one (key block, head) and adds in the same order as on the 2-d grid, so the gradients are bitwise
+    those of the default order; no deadlock where a head's programs outnumber the SMs (a program
+    waits only on lower key blocks of its head, launched before it in every section)."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    if Sq is None:
+        Sq = Sk = (torch.cuda.get_device_properties(DEVICE).multi_processor_count + 50) * bwd.bwd_sm90.BLOCK_N + 37
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
+    torch.manual_seed(Sq + Hkv)
+    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, 128, BF16, DEVICE)
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grads, grids = [], []
+    for env in ("0", section):
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
+        seen, real = [], launch.launch
+
+        def record(fn, grid, args, kwargs, seen=seen, real=real):
+            if fn.__name__ == "_bwd_dkdv_ws_kernel":
+                seen.append((tuple(grid), kwargs["SECTION"], kwargs["FUSED_DQ"]))
+            real(fn, grid, args, kwargs)
+
+        monkeypatch.setattr(launch, "launch", record)
+        plan.clear()
+        grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        grids.append(seen)
+    (grid0, sec0, fused0), = grids[0]
+    (grid1, sec1, fused1), = grids[1]
+    assert fused0 and fused1 and sec0 == 0 and len(grid0) == 2, grids
+    assert sec1 >= 1 and grid1 == (grid0[0] * grid0[1],), grids
+    if section.isdigit():
+        assert sec1 == min(int(section), B * Hkv), grids
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_backward_tma_on_gpu(D, causal, monkeypatch, poison):

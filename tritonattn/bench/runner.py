@@ -44,6 +44,9 @@ VARIANTS = {
     # the Gluon dK/dV kernel's products awaited one at a time (TRITONATTN_BWD_SPLIT_WAITS=1: P^T while
     # dP^T runs, dS^T while dV's product runs)
     "tritonattn+bwd-split-waits": dict(),
+    # the ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
+    # (TRITONATTN_BWD_FUSED_SECTION=auto: bwd_sm90.section_order)
+    "tritonattn+fused-sections": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -55,6 +58,7 @@ VARIANT_ENV = {
     "tritonattn+split-dq": {"TRITONATTN_BWD_FUSED_DQ": "0"},
     "tritonattn+bwd-desc-3d": {"TRITONATTN_BWD_DESC_3D": "1"},
     "tritonattn+bwd-split-waits": {"TRITONATTN_BWD_SPLIT_WAITS": "1"},
+    "tritonattn+fused-sections": {"TRITONATTN_BWD_FUSED_SECTION": "auto"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

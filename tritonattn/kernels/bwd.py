@@ -663,6 +663,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
+    section = os.environ.get("TRITONATTN_BWD_FUSED_SECTION")  # (an experiment: bwd_sm90.section_order)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -675,7 +676,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -751,7 +752,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         block_m, stages = bwd_sm90.TILES[D]
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
-        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (cdiv(Sk, bwd_sm90.block_n(D)), B * Hkv),
+        n_kb = cdiv(Sk, bwd_sm90.block_n(D))
+        # the ordered fused dQ's programs in sections of kv heads, key blocks outer (an experiment)
+        sec = bwd_sm90.section_order(n_kb, B * Hkv, q) if sem is not None else 0
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
@@ -760,7 +764,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
                       DESC_3D=desc_3d,
                       SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
-                      else split_waits))
+                      else split_waits, SECTION=sec))
 
     dqa = None
     if fused:

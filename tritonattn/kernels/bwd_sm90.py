@@ -39,6 +39,8 @@ eligibility rule; the GPU tier tests its gradients.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -54,6 +56,7 @@ from triton.language.core import builtin
 
 from tritonattn.kernels.common import LENGTH_CAP, LOG2E
 from tritonattn.kernels.fwd_sm90 import _store_layout
+from tritonattn.kernels.launch import sm_count
 
 HALF = gl.constexpr(64)  # keys per consumer warpgroup; BLOCK_N = 2 * HALF keys per program
 BLOCK_N = 2 * HALF.value  # the launcher's
@@ -554,7 +557,7 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
-    SPLIT_WAITS: gl.constexpr = False,
+    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -568,8 +571,11 @@ def _bwd_dkdv_ws_kernel(
                      + SPLIT_GRADS * 2 * HALF * BLOCK_M * 4 <= 232448 - 1024, "the tile does not fit in shared memory")
     dtype: gl.constexpr = Q.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    pid_n = gl.program_id(0)
-    bh = gl.program_id(1)
+    if SECTION > 0:  # a 1-d grid in sections of SECTION kv heads, key blocks outer inside each (section_order)
+        pid_n, bh = _section_program(gl.program_id(0), gl.num_programs(0), gl.cdiv(Sk, KV_HALVES * HALF), SECTION)
+    else:
+        pid_n = gl.program_id(0)
+        bh = gl.program_id(1)
     off_b = (bh // Hkv).to(gl.int64)
     off_hk = (bh % Hkv).to(gl.int64)
     # variable length (IS_VARLEN): sequence off_b is rows [cu[b], cu[b + 1]) of the packed (total, H, D)
@@ -701,6 +707,43 @@ def _bwd_dkdv_ws_kernel(
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
                          HEAD_DIM, BLOCK_M, STAGES, False, 2, DESC_3D)),
         ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _section_program(pid, n_programs, n_kb, SECTION: gl.constexpr):
+    """(key block, batch x kv head) of program ``pid`` of a 1-d grid of ``n_kb`` key blocks x the kv
+    heads, in sections of SECTION kv heads (the last one may have fewer), key blocks outer inside a
+    section: every head's key block 0, then every head's key block 1, ... (section_order)."""
+    per = n_kb * SECTION
+    sec = pid // per
+    r = pid - sec * per
+    heads = gl.minimum(n_programs // n_kb - sec * SECTION, SECTION)  # this section's heads
+    return r // heads, sec * SECTION + r % heads
+
+
+def section_order(n_kb: int, heads: int, q) -> int:
+    """TRITONATTN_BWD_FUSED_SECTION (an experiment, off; twenty-seventh session): the ordered fused
+    dQ's programs in sections of kv heads, key blocks outer inside each, instead of a head's key
+    blocks one after the other. Returns SECTION, the kv heads per section (0: off, the 2-d grid).
+
+    Why: a program adds its dQ tile to a query block after the key blocks before it have (_dq_writer,
+    DETERMINISTIC). A head's key blocks launched together wait on each other once, one link each
+    (the turn's round trip), and a head whose key blocks straddle a wave waits on its latest start:
+    measured 16% of the fused kernel's time at MHA S=2048 (1499 against 1289 us unordered, NOTES,
+    twenty-seventh session). Key blocks outer, a key block starts about a wave after the one before
+    it of its head, which is ahead by then. Sections keep a section's Q / dO and fp32 dQ rows in L2
+    (every head at once would send the reductions' read-modify-write to HBM). The same additions in
+    the same order: bitwise the same gradients. Values: an integer, the heads per section; "auto",
+    enough heads for two waves of programs (SECTION_WAVES); "0" or unset, off."""
+    value = (os.environ.get("TRITONATTN_BWD_FUSED_SECTION") or "0").strip().lower()
+    if value in ("0", "off", "no", "false"):
+        return 0
+    if value == "auto":
+        return max(1, min(heads, -(-SECTION_WAVES * sm_count(q.device) // n_kb)))
+    return max(1, min(heads, int(value)))
+
+
+SECTION_WAVES = 2
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
