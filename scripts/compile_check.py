@@ -274,9 +274,12 @@ def main(argv=None) -> int:
                                                                               varlen=True, fwd_only=True)),
                 # tile experiments of the Gluon forward, on the shapes named in fwd_tile_cases: without
                 # SPLIT_WAIT (the softmax while the last P V runs; the default at D=128 and D=256), with it at
-                # D=64 (three consumers)
+                # D=64 (three consumers);
                 *fwd_tile_cases("no-split-wait", dt, dict(SPLIT_WAIT=False), "full", "full-D256"),
                 *fwd_tile_cases("split-wait", dt, dict(SPLIT_WAIT=True), "full-D64"),
+                # FIRST_UNMASKED (a tile's first key block without the mask where it needs none)
+                *fwd_tile_cases("first-unmasked", dt, dict(FIRST_UNMASKED=True), "causal-D64", "full-D64", "causal",
+                                "full-D256"),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

@@ -291,6 +291,14 @@ _FWD_TILES = {
     "D128-split-wait": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
     "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),
     "D256-split-wait": (256, {(256, False): dict(SPLIT_WAIT=False), (256, True): dict(SPLIT_WAIT=False)}, None),
+    # FIRST_UNMASKED (a tile's first key block without the mask where the tile needs none; an
+    # experiment) against each head dim's default
+    "D64-first-unmasked": (64, None, {(64, False): dict(_NC3, FIRST_UNMASKED=True),
+                                      (64, True): dict(FIRST_UNMASKED=True)}),
+    "D128-first-unmasked": (128, None, {(128, False): dict(FIRST_UNMASKED=True),
+                                        (128, True): dict(FIRST_UNMASKED=True)}),
+    "D256-first-unmasked": (256, None, {(256, False): dict(FIRST_UNMASKED=True),
+                                        (256, True): dict(FIRST_UNMASKED=True)}),
     # (fp16: the f16x2 rounding of P in both tiles)
     "D128-split-wait-fp16": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
 }
