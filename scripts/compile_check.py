@@ -256,6 +256,8 @@ def main(argv=None) -> int:
                 # and the experiment TRITONATTN_BWD_FUSED_SECTION (a 1-d grid in sections of kv heads)
                 (f"gluon-fused-dq-sections-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
                                                                             section="3")),
+                (f"gluon-fused-dq-sections-varlen-{dt}", 128, dtypes[dt], {},
+                 dict(s=4096, gluon=True, varlen=True, fused_dq=True, section="3")),
                 (f"gluon-fused-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq="all")),
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),

@@ -402,16 +402,20 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0]
     q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
-    for env in (section, "0"):
-        if env is not None:
+    plan.clear()  # (once: the later calls replay their plans, which must follow the switch: it is in the key)
+    launches = []
+    for env in (section, "0", section):
+        if env is None:
+            monkeypatch.delenv("TRITONATTN_BWD_FUSED_SECTION", raising=False)
+        else:
             monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
-        plan.clear()
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
         (grid, kwargs), = [(g, kw) for name, g, kw in seen if name == "_bwd_dkdv_ws_kernel"]
         assert kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"]
-        if env == section:
-            assert kwargs["SECTION"] == heads and tuple(grid) == ((7 * 2 * 4,) if heads else (7, 2 * 4)), (grid, kwargs)
+        launches.append((kwargs["SECTION"], tuple(grid)))
+    on = (heads, (7 * 2 * 4,) if heads else (7, 2 * 4))
+    assert launches == [on, (0, (7, 2 * 4)), on], launches
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # the split dQ: the dK/dV launch keeps the 2-d grid
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", "3")
     plan.clear()
@@ -419,6 +423,14 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
     (grid, kwargs), = [(g, kw) for name, g, kw in seen if name == "_bwd_dkdv_ws_kernel"]
     assert kwargs["SECTION"] == 0 and tuple(grid) == (7, 2 * 4) and not kwargs["FUSED_DQ"]
+
+
+@pytest.mark.parametrize("value", ["x", "-2", "1.5"])
+def test_fused_dq_section_bad_value(monkeypatch, value):
+    """A TRITONATTN_BWD_FUSED_SECTION that is no count, 'auto' or 0: an error naming the variable."""
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", value)
+    with pytest.raises(ValueError, match="TRITONATTN_BWD_FUSED_SECTION"):
+        bwd.bwd_sm90.section_order(7, 8, torch.empty(0))
 
 
 @pytest.mark.parametrize("env", [None, "0", "all"], ids=["default", "off", "all"])

@@ -1000,7 +1000,7 @@ FUSED_SECTION_CASES = [
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,causal,section", FUSED_SECTION_CASES,
-                         ids=[f"{c[6]}-H{c[3]}/{c[4]}-{'causal' if c[5] else 'full'}" for c in FUSED_SECTION_CASES])
+                         ids=[f"{c[6]}-H{c[3]}-{c[4]}-{'causal' if c[5] else 'full'}" for c in FUSED_SECTION_CASES])
 def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, monkeypatch, poison):
     """TRITONATTN_BWD_FUSED_SECTION (an experiment, bwd_sm90.section_order): the ordered fused dQ's
     programs on a 1-d grid in sections of kv heads, key blocks outer inside each. Every program maps to
@@ -1012,6 +1012,7 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
     if Sq is None:
         Sq = Sk = (torch.cuda.get_device_properties(DEVICE).multi_processor_count + 50) * bwd.bwd_sm90.BLOCK_N + 37
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], 128, (0, 0))  # (the Gluon kernel at every length)
     torch.manual_seed(Sq + Hkv)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, 128, BF16, DEVICE)
     out = flash_attn_func(q, k, v, causal=causal)

@@ -740,7 +740,9 @@ def section_order(n_kb: int, heads: int, q) -> int:
         return 0
     if value == "auto":
         return max(1, min(heads, -(-SECTION_WAVES * sm_count(q.device) // n_kb)))
-    return max(1, min(heads, int(value)))
+    if not value.isdigit():
+        raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
+    return min(heads, int(value))
 
 
 SECTION_WAVES = 2
