@@ -1,0 +1,128 @@
+"""The backward with environment switches on and off (H200): the backward's experiments are read from
+the environment at each call (TRITONATTN_BWD_FUSED_SECTION, TRITONATTN_BWD_SPLIT_WAITS,
+TRITONATTN_BWD_FUSED_DQ, TRITONATTN_ATOMIC_DQ, ...) and are in the launch plan's key, so settings can
+alternate within one process.
+
+Each setting is a list of NAME=VALUE parts joined by "+" (NAME without the TRITONATTN_ prefix is
+taken with it), or "-" for none (the environment as the run started). Each setting runs every shape,
+in alternating rounds; its time is the best round's median of CUDA-event timings of CUDA-graph
+replays of the backward alone (one recorded forward), with cuDNN's backward beside. Its gradients
+must equal bitwise the first setting's unless a part turns the order of the dQ additions loose
+(ATOMIC_DQ=1) or changes the kernels (BWD_FUSED_DQ): a row then gives the largest difference.
+Shapes: the fa grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32,
+Hkv=8).
+
+    python benchmarks/experiments/bwd_flags.py --settings - BWD_FUSED_SECTION=auto BWD_FUSED_SECTION=8 \
+        --head-dims 128 --seqlens 2048 4096 --causal no yes [--llama] [--rounds 3]
+
+(Written in the twenty-seventh session for the fused dQ's sections and the dK/dV kernel's split
+waits; before it, profile_case.py ran one setting per process.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import tritonattn  # noqa: E402
+from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
+from tritonattn.kernels import plan  # noqa: E402
+
+# parts after which the gradients may differ from the first setting's (other kernels or another order)
+LOOSE = ("TRITONATTN_ATOMIC_DQ", "TRITONATTN_BWD_FUSED_DQ")
+
+
+def _parts(setting: str) -> dict[str, str]:
+    """A setting's NAME=VALUE parts, names with the TRITONATTN_ prefix ("-": none)."""
+    env = {}
+    for part in setting.split("+"):
+        if part == "-":
+            continue
+        name, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"{part!r}: a setting's parts are NAME=VALUE")
+        env[name if name.startswith("TRITONATTN_") else "TRITONATTN_" + name] = value
+    return env
+
+
+def _apply(env: dict[str, str]) -> dict[str, str | None]:
+    """Set ``env``; returns the old values (None: unset)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    return saved
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", nargs="+", default=["-"])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[2048])
+    p.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--llama", action="store_true", help="B=4, Hq=32, Hkv=8 instead of the fa shape")
+    a = p.parse_args()
+    envs = {s: _parts(s) for s in a.settings}
+    print("| D | S | causal | setting | us | TFLOP/s | x first | x cuDNN |\n|---|---|---|---|---|---|---|---|")
+    for D in a.head_dims:
+        for S in a.seqlens:
+            for causal in (c == "yes" for c in a.causal):
+                H, Hkv, B = (32, 8, 4) if a.llama else (2048 // D, 2048 // D, max(1, 16384 // S))
+                torch.manual_seed(S + D)
+                q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                        for _ in range(2))
+                dout = torch.randn_like(q)
+                flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+                times = {s: [] for s in a.settings}
+                ref = None
+                for _ in range(a.rounds):
+                    for s in a.settings:
+                        saved = _apply(envs[s])
+                        try:
+                            plan.clear()
+                            out = tritonattn.flash_attn_func(q, k, v, causal=causal)
+                            grads = torch.autograd.grad(out, (q, k, v), dout)
+                            if ref is None:
+                                ref = grads
+                            elif not all(torch.equal(x, y) for x, y in zip(grads, ref, strict=True)):
+                                diff = max((x.float() - y.float()).abs().max().item()
+                                           for x, y in zip(grads, ref, strict=True))
+                                loose = " (expected: " + ", ".join(n for n in envs[s] if n in LOOSE) + ")" if any(
+                                    n in LOOSE for n in envs[s]) else ""
+                                print(f"| {D} | {S} | {causal} | {s} | GRADIENTS DIFFER from the first setting's "
+                                      f"(max abs {diff:.2e}){loose} |")
+                            times[s].append(_bench(_graphed(lambda: tritonattn.flash_attn_func(q, k, v, causal=causal),
+                                                            "bwd", (q, k, v), dout)) * 1e3)
+                        finally:
+                            _restore(saved)
+                plan.clear()
+                qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+
+                def cud():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
+                c = _bench(_graphed(cud, "bwd", (qt, kt, vt), dout.transpose(1, 2))) * 1e3
+                base = min(times[a.settings[0]])
+                for s in a.settings:
+                    us = min(times[s])
+                    print(f"| {D} | {S} | {causal} | {s} | {us:.1f} | {flops / us / 1e6:.0f} | {base / us:.3f} | "
+                          f"{c / us:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
