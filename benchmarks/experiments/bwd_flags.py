@@ -35,6 +35,9 @@ import tritonattn  # noqa: E402
 from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.kernels import plan  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from fwd_flags import print_rows, shape  # noqa: E402  (the same shapes and rows as the forward's)
+
 # parts after which the gradients may differ from the first setting's (other kernels or another order)
 LOOSE = ("TRITONATTN_ATOMIC_DQ", "TRITONATTN_BWD_FUSED_DQ")
 
@@ -81,7 +84,7 @@ def main():
     for D in a.head_dims:
         for S in a.seqlens:
             for causal in (c == "yes" for c in a.causal):
-                H, Hkv, B = (32, 8, 4) if a.llama else (2048 // D, 2048 // D, max(1, 16384 // S))
+                H, Hkv, B = shape(D, S, a.llama)
                 torch.manual_seed(S + D)
                 q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -116,12 +119,8 @@ def main():
                 def cud():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
-                c = _bench(_graphed(cud, "bwd", (qt, kt, vt), dout.transpose(1, 2))) * 1e3
-                base = min(times[a.settings[0]])
-                for s in a.settings:
-                    us = min(times[s])
-                    print(f"| {D} | {S} | {causal} | {s} | {us:.1f} | {flops / us / 1e6:.0f} | {base / us:.3f} | "
-                          f"{c / us:.3f} |", flush=True)
+                print_rows(D, S, causal, times, flops,
+                           _bench(_graphed(cud, "bwd", (qt, kt, vt), dout.transpose(1, 2))) * 1e3)
 
 
 if __name__ == "__main__":

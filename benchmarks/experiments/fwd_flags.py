@@ -78,6 +78,21 @@ def _apply(parts: list[str]) -> dict:
     return saved
 
 
+def shape(D: int, S: int, llama: bool) -> tuple[int, int, int]:
+    """(query heads, kv heads, batch): the llama grid's (32, 8, 4), else the fa grid's (hidden 2048,
+    MHA, 16k tokens)."""
+    return (32, 8, 4) if llama else (2048 // D, 2048 // D, max(1, 16384 // S))
+
+
+def print_rows(D: int, S: int, causal: bool, times: dict, flops: float, cudnn_us: float) -> None:
+    """A row per setting: its best round's microseconds, TFLOP/s, x the first setting, x cuDNN."""
+    base = min(next(iter(times.values())))
+    for s, ts in times.items():
+        us = min(ts)
+        print(f"| {D} | {S} | {causal} | {s} | {us:.1f} | {flops / us / 1e6:.0f} | {base / us:.3f} | "
+              f"{cudnn_us / us:.3f} |", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--settings", nargs="+", default=["-"])
@@ -92,7 +107,7 @@ def main():
     for D in a.head_dims:
         for S in a.seqlens:
             for causal in (c == "yes" for c in a.causal):
-                H, Hkv, B = (32, 8, 4) if a.llama else (2048 // D, 2048 // D, max(1, 16384 // S))
+                H, Hkv, B = shape(D, S, a.llama)
                 q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
                 k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
@@ -123,12 +138,7 @@ def main():
                 def cud():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
-                c = _bench(_graphed(cud, "fwd")) * 1e3
-                base = min(times[a.settings[0]])
-                for s in a.settings:
-                    us = min(times[s])
-                    print(f"| {D} | {S} | {causal} | {s} | {us:.1f} | {flops / us / 1e6:.0f} | {base / us:.3f} | "
-                          f"{c / us:.3f} |", flush=True)
+                print_rows(D, S, causal, times, flops, _bench(_graphed(cud, "fwd")) * 1e3)
 
 
 if __name__ == "__main__":

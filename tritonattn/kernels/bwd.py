@@ -754,7 +754,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     lengths=(lo, hi)) if var.varlen else {}
         n_kb = cdiv(Sk, bwd_sm90.block_n(D))
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (an experiment)
-        sec = bwd_sm90.section_order(n_kb, B * Hkv, q) if sem is not None else 0
+        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q) if sem is not None else 0
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),

@@ -39,8 +39,6 @@ eligibility rule; the GPU tier tests its gradients.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -54,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import builtin
 
+from tritonattn import configs
 from tritonattn.kernels.common import LENGTH_CAP, LOG2E
 from tritonattn.kernels.fwd_sm90 import _store_layout
 from tritonattn.kernels.launch import sm_count
@@ -721,8 +720,12 @@ def _section_program(pid, n_programs, n_kb, SECTION: gl.constexpr):
     return r // heads, sec * SECTION + r % heads
 
 
-def section_order(n_kb: int, heads: int, q) -> int:
-    """TRITONATTN_BWD_FUSED_SECTION (an experiment, off; twenty-seventh session): the ordered fused
+SECTION_WAVES = 2
+
+
+def section_order(value: str | None, n_kb: int, heads: int, q) -> int:
+    """TRITONATTN_BWD_FUSED_SECTION (``value``, as the launcher read it for its plan key; an
+    experiment, off; twenty-seventh session): the ordered fused
     dQ's programs in sections of kv heads, key blocks outer inside each, instead of a head's key
     blocks one after the other. Returns SECTION, the kv heads per section (0: off, the 2-d grid).
 
@@ -735,17 +738,14 @@ def section_order(n_kb: int, heads: int, q) -> int:
     (every head at once would send the reductions' read-modify-write to HBM). The same additions in
     the same order: bitwise the same gradients. Values: an integer, the heads per section; "auto",
     enough heads for two waves of programs (SECTION_WAVES); "0" or unset, off."""
-    value = (os.environ.get("TRITONATTN_BWD_FUSED_SECTION") or "0").strip().lower()
-    if value in ("0", "off", "no", "false"):
+    value = (value or "").strip().lower()
+    if value in configs._OFF:
         return 0
     if value == "auto":
         return max(1, min(heads, -(-SECTION_WAVES * sm_count(q.device) // n_kb)))
     if not value.isdigit():
         raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
     return min(heads, int(value))
-
-
-SECTION_WAVES = 2
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
