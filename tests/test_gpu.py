@@ -1018,9 +1018,10 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
     out = flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     grads, grids = [], []
+    real = launch.launch  # (taken once: a second wrapper must not call the first and record twice)
     for env in ("0", section):
         monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
-        seen, real = [], launch.launch
+        seen = []
 
         def record(fn, grid, args, kwargs, seen=seen, real=real):
             if fn.__name__ == "_bwd_dkdv_ws_kernel":

@@ -109,8 +109,13 @@ def main():
                                     n in LOOSE for n in envs[s]) else ""
                                 print(f"| {D} | {S} | {causal} | {s} | GRADIENTS DIFFER from the first setting's "
                                       f"(max abs {diff:.2e}){loose} |")
-                            times[s].append(_bench(_graphed(lambda: tritonattn.flash_attn_func(q, k, v, causal=causal),
-                                                            "bwd", (q, k, v), dout)) * 1e3)
+                            # fresh leaves: the eager call's AccumulateGrad nodes (default stream) must
+                            # not be reached from the capture on the side stream (a capture error)
+                            del out, grads
+                            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                            times[s].append(_bench(_graphed(
+                                lambda: tritonattn.flash_attn_func(qg, kg, vg, causal=causal),
+                                "bwd", (qg, kg, vg), dout)) * 1e3)
                         finally:
                             _restore(saved)
                 plan.clear()
