@@ -279,9 +279,6 @@ def main(argv=None) -> int:
                 # D=64 (three consumers);
                 *fwd_tile_cases("no-split-wait", dt, dict(SPLIT_WAIT=False), "full", "full-D256"),
                 *fwd_tile_cases("split-wait", dt, dict(SPLIT_WAIT=True), "full-D64"),
-                # FIRST_UNMASKED (a tile's first key block without the mask where it needs none)
-                *fwd_tile_cases("first-unmasked", dt, dict(FIRST_UNMASKED=True), "causal-D64", "full-D64", "causal",
-                                "full-D256"),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

@@ -380,13 +380,14 @@ def test_varlen_dkdv_launch(monkeypatch):
     assert args[36] == 0 and args[38] == SCALE  # the causal edge, and the softmax scale for dK
 
 
-@pytest.mark.parametrize("section,heads", [(None, 0), ("0", 0), ("3", 3), ("100", 8), ("auto", 6)])
+@pytest.mark.parametrize("section,heads", [(None, 5), ("0", 0), ("3", 3), ("100", 8), ("auto", 5)])
 def test_fused_dq_section_launch(monkeypatch, section, heads):
-    """TRITONATTN_BWD_FUSED_SECTION (an experiment, bwd_sm90.section_order): the ordered fused dQ's
-    Gluon launch on a 1-d grid of the same programs with SECTION kv heads per section (at most the
-    call's 2 x 4), the rule's ("auto": enough heads for SECTION_WAVES waves of programs, here 6 of 8
-    with 20 SMs and 7 key blocks); unset or 0 the 2-d grid. Only the ordered fused dQ takes it: the
-    split dQ's dK/dV launch keeps its grid."""
+    """TRITONATTN_BWD_FUSED_SECTION (bwd_sm90.section_order): the ordered fused dQ's Gluon launch on a
+    1-d grid of the same programs with SECTION kv heads per section (at most the call's 2 x 4), the
+    rule's when unset (this call's 2 query heads per kv head x its length are within
+    configs.FUSED_SECTION_ROWS) or "auto": a wave of programs, here 5 of 8 with 36 SMs and 7 key
+    blocks; 0 the 2-d grid. Only the ordered fused dQ takes it: the split dQ's dK/dV launch keeps
+    its grid."""
     from tritonattn.kernels import launch, plan
 
     if section is not None:
@@ -394,12 +395,13 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
     monkeypatch.setattr(bwd, "GLUON", True)
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
-    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 20)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 36)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
     S = 7 * bwd.bwd_sm90.BLOCK_N - 5  # 7 key blocks
-    assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0]
+    assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0] and configs.fused_sections(2, S)
+    assert configs.FUSED_SECTION_MIN_HEADS < 5, "the rule's floor moved: change the SMs above"
     q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
     plan.clear()  # (once: the later calls replay their plans, which must follow the switch: it is in the key)
@@ -429,7 +431,24 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
 def test_fused_dq_section_bad_value(value):
     """A TRITONATTN_BWD_FUSED_SECTION that is no count, 'auto' or 0: an error naming the variable."""
     with pytest.raises(ValueError, match="TRITONATTN_BWD_FUSED_SECTION"):
-        bwd.bwd_sm90.section_order(value, 7, 8, torch.empty(0))
+        bwd.bwd_sm90.section_order(value, 7, 8, torch.empty(0), 1, 1000)
+
+
+def test_fused_dq_section_rule(monkeypatch):
+    """The sections' default (section_order unset): on where GROUP x longest is within
+    configs.FUSED_SECTION_ROWS (few steps per program), a wave's worth of kv heads (SMs // key
+    blocks) but at least FUSED_SECTION_MIN_HEADS and at most the call's heads; off past it, where
+    "auto" and a number still set them."""
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 132)
+    rows, floor, cpu = configs.FUSED_SECTION_ROWS, configs.FUSED_SECTION_MIN_HEADS, torch.empty(0)
+    order = bwd.bwd_sm90.section_order
+    assert order(None, 16, 128, cpu, 1, 2048) == 132 // 16  # fa D=128 S=2048: 8 heads a section
+    assert order(None, 16, 128, cpu, rows // 2048, 2048) == 8  # (the group's edge: still on)
+    assert order(None, 16, 128, cpu, 2 * rows // 2048, 2048) == 0  # past it: the 2-d grid
+    assert order("auto", 16, 128, cpu, 2 * rows // 2048, 2048) == 8 and order("5", 16, 128, cpu, 16, 2048) == 5
+    assert order(None, 64, 128, cpu, 1, 8192) == max(floor, 132 // 64)  # the floor
+    assert order(None, 16, 3, cpu, 1, 2048) == 3 and order(None, 200, 128, cpu, 1, 100) == floor
+    assert order("off", 16, 128, cpu, 1, 2048) == 0 and order("", 16, 128, cpu, 1, 2048) == 0
 
 
 @pytest.mark.parametrize("env", [None, "0", "all"], ids=["default", "off", "all"])
@@ -438,9 +457,10 @@ def test_fused_dq_launches(monkeypatch, env):
     on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
     preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
     buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask
-    likewise from its own (longer) length, longer still for MHA, and the dQ kernel and the Gluon
-    dK/dV kernel without it under that length or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the
-    fused kernel at both lengths, masked or not."""
+    likewise from its own (longer) length at every group, its programs in sections where
+    configs.fused_sections says, and the dQ kernel and the Gluon dK/dV kernel without it under
+    that length or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the fused
+    kernel at every length the Gluon kernel serves, masked or not."""
     from tritonattn.kernels import launch, plan
 
     if env is not None:
@@ -451,12 +471,13 @@ def test_fused_dq_launches(monkeypatch, env):
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     full, masked = configs.FUSED_DQ_MIN_SEQLEN[128]
-    assert full < masked and configs.FUSED_DQ_MASKED_GROUP_ROWS == 2 * masked, \
-        "configs.FUSED_DQ_MIN_SEQLEN / FUSED_DQ_MASKED_GROUP_ROWS moved: change the cases below"
-    # (causal, S, kv heads of the 8 query heads, fused by default): without a mask from its length;
-    # with one not there, from its own; MHA with one from twice that (FUSED_DQ_MASKED_GROUP_ROWS)
-    for causal, S, Hkv, default in ((False, full, 2, True), (True, full, 2, False), (True, masked, 2, True),
-                                    (False, full, 8, True), (True, masked, 8, False), (True, 2 * masked, 8, True)):
+    gluon_full, gluon_masked = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128]
+    assert gluon_full < full < masked and gluon_masked <= masked, \
+        "configs.FUSED_DQ_MIN_SEQLEN / GLUON_MIN_SEQLEN moved: change the cases below"
+    # (causal, S, kv heads of the 8 query heads, fused by default): without a mask from its length
+    # (under it the Gluon kernel without dQ), with one from its own, for every group
+    for causal, S, Hkv, default in ((False, full, 2, True), (False, full - 1, 8, False), (True, masked, 2, True),
+                                    (False, full, 8, True), (True, masked, 8, True), (True, masked, 1, True)):
         q, k, v = qkv(Sq=S, Sk=S, Hkv=Hkv)
         do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
         plan.clear()
@@ -468,15 +489,18 @@ def test_fused_dq_launches(monkeypatch, env):
                          ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, Hkv, names)
         _, grid, args, kwargs = seen[1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
+        # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
+        assert (kwargs["SECTION"] > 0) == (fused and configs.fused_sections(8 // Hkv, S)), (causal, S, Hkv, kwargs)
+        assert len(grid) == (1 if kwargs["SECTION"] else 2)
         if fused:
             dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
             assert dqa.shape == (2, 8, S, 128) and dqa.dtype == torch.float32 and not dqa.any()
             assert (rows, batch_rows, head_rows) == (2 * 8 * S, 8 * S, S)
-            blocks = S // bwd.bwd_sm90.TILES[128][0]
+            blocks = -(-S // bwd.bwd_sm90.TILES[128][0])
             assert sem.dtype == torch.int32 and sem.numel() == 2 * 8 * blocks and not sem.any()
             assert (sem_batch, sem_head) == (8 * blocks, blocks)
             # the convert kernel reads that buffer into dq
-            assert seen[2][2][0] is dqa and seen[2][1] == (S // configs.DQ_CONVERT.block_m, 2 * 8)
+            assert seen[2][2][0] is dqa and seen[2][1] == (-(-S // configs.DQ_CONVERT.block_m), 2 * 8)
             # a repeated call replays the recorded plan: the same launches, with a new buffer and new
             # semaphores that the plan allocates zeroed (torch.zeros, what a replay calls again), the
             # conversion reading the new buffer

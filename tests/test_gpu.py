@@ -291,14 +291,6 @@ _FWD_TILES = {
     "D128-split-wait": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
     "D64-split-wait": (64, None, {(64, False): dict(_NC3, SPLIT_WAIT=True), (64, True): dict(SPLIT_WAIT=True)}),
     "D256-split-wait": (256, {(256, False): dict(SPLIT_WAIT=False), (256, True): dict(SPLIT_WAIT=False)}, None),
-    # FIRST_UNMASKED (a tile's first key block without the mask where the tile needs none; an
-    # experiment) against each head dim's default
-    "D64-first-unmasked": (64, None, {(64, False): dict(_NC3, FIRST_UNMASKED=True),
-                                      (64, True): dict(FIRST_UNMASKED=True)}),
-    "D128-first-unmasked": (128, None, {(128, False): dict(FIRST_UNMASKED=True),
-                                        (128, True): dict(FIRST_UNMASKED=True)}),
-    "D256-first-unmasked": (256, None, {(256, False): dict(FIRST_UNMASKED=True),
-                                        (256, True): dict(FIRST_UNMASKED=True)}),
     # (fp16: the f16x2 rounding of P in both tiles)
     "D128-split-wait-fp16": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
 }
@@ -817,7 +809,6 @@ def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, determinist
     # the ordered path wherever the Gluon kernel serves the call (by default only from its own
     # lengths, configs.FUSED_DQ_MIN_SEQLEN: here with a causal mask and shorter calls as well)
     monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, D, (0, 0))
-    monkeypatch.setattr(configs, "FUSED_DQ_MASKED_GROUP_ROWS", 1)  # (MHA cases too)
     torch.manual_seed(Sq)
     _check_fused_dq(*random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE), causal, monkeypatch, 3 if deterministic else 0)
 
@@ -992,17 +983,19 @@ def test_gluon_fused_dq_more_programs_than_sms_on_gpu(causal, monkeypatch, poiso
 
 # (batch, queries, keys, query heads, kv heads, causal, TRITONATTN_BWD_FUSED_SECTION): a last section of
 # fewer heads (3, 3, 2 of 8), one section of every head (1000), the rule, GQA, and a kv head with
-# more key blocks than the GPU has SMs (None: that length), both heads in one section
+# more key blocks than the GPU has SMs (None: that length), both heads in one section; unset (None):
+# the default rule, here on (MHA, 2048 rows)
 FUSED_SECTION_CASES = [
     (2, 1500, 1700, 16, 4, False, "3"), (2, 1700, 1500, 16, 4, True, "3"), (1, 2100, 2100, 8, 8, False, "1000"),
-    (2, 3000, 3000, 8, 2, True, "auto"), (1, None, None, 4, 2, False, "2"),
+    (2, 3000, 3000, 8, 2, True, "auto"), (1, None, None, 4, 2, False, "2"), (2, 2048, 2000, 8, 8, True, None),
 ]
 
 
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,causal,section", FUSED_SECTION_CASES,
-                         ids=[f"{c[6]}-H{c[3]}-{c[4]}-{'causal' if c[5] else 'full'}" for c in FUSED_SECTION_CASES])
+                         ids=[f"{c[6] or 'default'}-H{c[3]}-{c[4]}-{'causal' if c[5] else 'full'}"
+                              for c in FUSED_SECTION_CASES])
 def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, monkeypatch, poison):
-    """TRITONATTN_BWD_FUSED_SECTION (an experiment, bwd_sm90.section_order): the ordered fused dQ's
+    """TRITONATTN_BWD_FUSED_SECTION (bwd_sm90.section_order; unset, its default rule): the ordered fused dQ's
     programs on a 1-d grid in sections of kv heads, key blocks outer inside each. Every program maps to
     one (key block, head) and adds in the same order as on the 2-d grid, so the gradients are bitwise
     those of the default order; no deadlock where a head's programs outnumber the SMs (a program
@@ -1020,7 +1013,10 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
     grads, grids = [], []
     real = launch.launch  # (taken once: a second wrapper must not call the first and record twice)
     for env in ("0", section):
-        monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
+        if env is None:
+            monkeypatch.delenv("TRITONATTN_BWD_FUSED_SECTION", raising=False)
+        else:
+            monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
         seen = []
 
         def record(fn, grid, args, kwargs, seen=seen, real=real):
@@ -1036,7 +1032,7 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
     (grid1, sec1, fused1), = grids[1]
     assert fused0 and fused1 and sec0 == 0 and len(grid0) == 2, grids
     assert sec1 >= 1 and grid1 == (grid0[0] * grid0[1],), grids
-    if section.isdigit():
+    if section is not None and section.isdigit():
         assert sec1 == min(int(section), B * Hkv), grids
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)

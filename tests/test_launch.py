@@ -119,18 +119,18 @@ def test_length_classes():
 def test_length_breaks():
     """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN, at each Gluon
     kernel's first lengths (not "never", math.inf), and at the fused dQ's, the masked one for every
-    group (FUSED_DQ_MASKED_GROUP_ROWS: 8192 for MHA)."""
+    group."""
     breaks = configs.length_breaks()
     assert configs.SHORT_SEQLEN + 1 in breaks and math.inf not in breaks
     for lengths in configs.GLUON_MIN_SEQLEN.values():
         for pair in lengths.values():
             assert {n for n in pair if n != math.inf} <= breaks
-    for full, masked in configs.FUSED_DQ_MIN_SEQLEN.values():
+    for head_dim, (full, masked) in configs.FUSED_DQ_MIN_SEQLEN.items():
         assert full in breaks and masked in breaks
         for group in range(1, 17):
-            first = next(n for n in range(1, 2**16) if configs.fused_dq_serves(128, True, n, group))
-            assert first in breaks, group
-    assert next(n for n in range(1, 2**16) if configs.fused_dq_serves(128, True, n, 1)) == 8192
+            for mask in (False, True):
+                first = next(n for n in range(1, 2**16) if configs.fused_dq_serves(head_dim, mask, n, group))
+                assert first in breaks, (group, mask)
 
 
 def test_length_classes_off(monkeypatch):

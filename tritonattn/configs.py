@@ -362,13 +362,26 @@ GLUON_MIN_SEQLEN = {
 # 2048, 1.00x at 4096 (0.91x the split), 0.97x at 8192 (0.75x), 0.93x at 16384 (0.87x); with
 # one 1.02x at 2048, 0.90x at 4096, 0.87x at 8192, 0.89x at 16384. (Sixteenth session, heads
 # first: the masked order was 1.09-1.17x, the semaphores serialising a head's staggered programs.)
-# The masked (causal) first length also needs GROUP x longest >= FUSED_DQ_MASKED_GROUP_ROWS, the
-# length rounded up to a power of two: each program's steps (GROUP heads x query blocks) have to
-# outlast the lockstep's skew. MHA (GROUP 1; fa grid, 16 heads, D=128, eighteenth session): fused
-# 1.10x the split's time at 4096 causal, 0.97x at 8192, 0.92x at 16384; without a mask 0.99x at
-# 2048, 0.95x at 4096, 0.89x at 8192, 0.86x at 16384 (so no such rule there).
-FUSED_DQ_MIN_SEQLEN = {128: (2048, 4096)}
-FUSED_DQ_MASKED_GROUP_ROWS = 8192
+# Twenty-eighth session: with the ordered fused dQ's programs in sections (FUSED_SECTION_ROWS below)
+# the fused kernel beats the split ones from 1024 without a mask and from 2048 with one, at every
+# group (before: 2048, and 4096 with GROUP x longest >= 8192 under a mask). bwd_flags.py, the
+# backward's kernels in graph replays, speed-ups over the split / the 2-d fused default, D=128, two
+# rounds: fa (MHA, 16 heads) without a mask 1.07x at 1024, 1.07-1.08x at 2048 (already fused), 1.03x
+# at 4096; causal 0.99x at 1024 (so 2048), 1.11x at 2048, 1.16x at 4096, 1.10x at 8192 (already
+# fused); llama (GQA 32 / 8) causal 1.10-1.15x at 2048 (the masked cells over 8192 group rows were
+# fused already, where sections are off).
+FUSED_DQ_MIN_SEQLEN = {128: (1024, 2048)}
+# The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
+# (bwd_sm90.section_order), where a program's steps are few: GROUP x longest <= FUSED_SECTION_ROWS.
+# A head's programs wait on each other's turns at each query block (the deterministic order); with
+# few steps per program that one-time skew is a large part of the kernel (16% at fa D=128 S=2048,
+# twenty-seventh session), and key blocks outer start a program after the ones it waits on. With
+# many steps the skew is spread and sections only cost L2 reuse: llama (GROUP 4) 0.99-1.02x at 4096
+# (16384 group rows), 0.87-0.98x at 8192, causal; fa (GROUP 1) 8192 without a mask 0.99-1.01x.
+# FUSED_SECTION_MIN_HEADS: the section's kv heads are a wave's worth of programs (SMs // key blocks),
+# at least this many (4 and 8 measured alike at fa 8192; 8 best at fa 2048, 16 at llama causal 2048).
+FUSED_SECTION_ROWS = 8192
+FUSED_SECTION_MIN_HEADS = 4
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
@@ -403,20 +416,19 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
-def _fused_dq_masked_first(first: int, group: int) -> int:
-    """The masked call's first fused length for ``group`` query heads per kv head (the table's
-    ``first``, raised by :data:`FUSED_DQ_MASKED_GROUP_ROWS`; powers of two, see length_breaks)."""
-    return max(first, 1 << (-(-FUSED_DQ_MASKED_GROUP_ROWS // group) - 1).bit_length())
-
-
 def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bool:
     """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
     or not, whose longest side is ``longest``, with ``group`` query heads per kv head) computes dQ
-    too: :data:`FUSED_DQ_MIN_SEQLEN` and, masked, :data:`FUSED_DQ_MASKED_GROUP_ROWS`."""
+    too: :data:`FUSED_DQ_MIN_SEQLEN`. (``group``: kept for rules by group; none since the
+    twenty-eighth session.)"""
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
-    if first is None:
-        return False
-    return longest >= (_fused_dq_masked_first(first, group) if masked else first)
+    return first is not None and longest >= first
+
+
+def fused_sections(group: int, longest: int) -> bool:
+    """The ordered fused dQ's programs of a call with ``group`` query heads per kv head and longest
+    side ``longest`` run in sections of kv heads (:data:`FUSED_SECTION_ROWS`)."""
+    return group * longest <= FUSED_SECTION_ROWS
 
 
 def length_breaks() -> set[int]:
@@ -424,9 +436,6 @@ def length_breaks() -> set[int]:
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair if n != math.inf}
     fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None}
-    # (the masked first length for every group: powers of two from the table's up)
-    fused |= {_fused_dq_masked_first(pair[1], g) for pair in FUSED_DQ_MIN_SEQLEN.values() if pair[1] is not None
-              for g in (1 << i for i in range(FUSED_DQ_MASKED_GROUP_ROWS.bit_length()))}
     return {SHORT_SEQLEN + 1, *gluon, *fused}
 
 

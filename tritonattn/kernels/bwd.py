@@ -663,7 +663,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
-    section = os.environ.get("TRITONATTN_BWD_FUSED_SECTION")  # (an experiment: bwd_sm90.section_order)
+    section = os.environ.get("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -753,8 +753,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
         n_kb = cdiv(Sk, bwd_sm90.block_n(D))
-        # the ordered fused dQ's programs in sections of kv heads, key blocks outer (an experiment)
-        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q) if sem is not None else 0
+        # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
+        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk)) if sem is not None else 0
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),

@@ -720,14 +720,13 @@ def _section_program(pid, n_programs, n_kb, SECTION: gl.constexpr):
     return r // heads, sec * SECTION + r % heads
 
 
-SECTION_WAVES = 2
-
-
-def section_order(value: str | None, n_kb: int, heads: int, q) -> int:
-    """TRITONATTN_BWD_FUSED_SECTION (``value``, as the launcher read it for its plan key; an
-    experiment, off; twenty-seventh session): the ordered fused
-    dQ's programs in sections of kv heads, key blocks outer inside each, instead of a head's key
-    blocks one after the other. Returns SECTION, the kv heads per section (0: off, the 2-d grid).
+def section_order(value: str | None, n_kb: int, heads: int, q, group: int, longest: int) -> int:
+    """The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each, instead
+    of a head's key blocks one after the other (twenty-seventh session; the default since the
+    twenty-eighth where configs.fused_sections says). Returns SECTION, the kv heads per section (0:
+    the 2-d grid). ``value``: TRITONATTN_BWD_FUSED_SECTION as the launcher read it for its plan key:
+    unset, the default rule; "auto", the rule's size wherever the fused dQ runs; a number, that many
+    kv heads; "0" (or off), never.
 
     Why: a program adds its dQ tile to a query block after the key blocks before it have (_dq_writer,
     DETERMINISTIC). A head's key blocks launched together wait on each other once, one link each
@@ -735,17 +734,19 @@ def section_order(value: str | None, n_kb: int, heads: int, q) -> int:
     measured 16% of the fused kernel's time at MHA S=2048 (1499 against 1289 us unordered, NOTES,
     twenty-seventh session). Key blocks outer, a key block starts about a wave after the one before
     it of its head, which is ahead by then. Sections keep a section's Q / dO and fp32 dQ rows in L2
-    (every head at once would send the reductions' read-modify-write to HBM). The same additions in
-    the same order: bitwise the same gradients. Values: an integer, the heads per section; "auto",
-    enough heads for two waves of programs (SECTION_WAVES); "0" or unset, off."""
-    value = (value or "").strip().lower()
-    if value in configs._OFF:
+    (every head at once would send the reductions' read-modify-write to HBM): a wave of programs,
+    SMs // key blocks heads, at least configs.FUSED_SECTION_MIN_HEADS. The same additions in the same
+    order: bitwise the same gradients."""
+    text = (value or "").strip().lower()
+    if value is not None and text in configs._OFF:
         return 0
-    if value == "auto":
-        return max(1, min(heads, -(-SECTION_WAVES * sm_count(q.device) // n_kb)))
-    if not value.isdigit():
+    if text and text != "auto" and not text.isdigit():
         raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
-    return min(heads, int(value))
+    if text.isdigit():
+        return min(heads, int(text))
+    if value is None and not configs.fused_sections(group, longest):
+        return 0
+    return max(1, min(heads, max(configs.FUSED_SECTION_MIN_HEADS, sm_count(q.device) // n_kb)))
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,

@@ -69,9 +69,11 @@ from tritonattn.kernels.launch import l2_bytes, sm_count
 # +1.6..+4.9%, full +-0.7%, D=256 -0.8..+1.1%.
 # (ROWSUM_MMA, the row sums by the tensor cores as P times a tile of ones, measured and removed in the
 # twenty-seventh session: D=64 -6..+6%, flat from 2048 but for -6% at 2048 full; not the bitwise output.)
-# FIRST_UNMASKED (experiment, off; twenty-seventh session): a tile's first key block through the
-# softmax without the mask where the whole tile sees all of its keys (n_full > 0), instead of always
-# masked: the masked step's selects and compares once per tile fewer (the same arithmetic).
+# A tile's first key block goes through the softmax without the mask where the whole tile sees all of
+# its keys (n_full > 0), before the twenty-eighth session always masked (FIRST_UNMASKED, measured
+# against that and made the only path; bitwise the same output): forced-kernel A/B, graph replays,
+# causal D=64 +5.7 / +3.1 / +0.9% at S=512 / 2048 / 8192, D=128 +12.9% at 512, +0.8% at 2048, D=256
+# +3.2% at 8192; every other cell within -1.7..+1.1%.
 HALF = gl.constexpr(64)  # a consumer warpgroup's query rows (the tile: NC of them, block_m)
 TILES = {
     64: dict(BLOCK_N=128, STAGES=4),
@@ -97,7 +99,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False, FIRST_UNMASKED=False)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -420,7 +422,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr, FIRST_UNMASKED: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
@@ -469,7 +471,7 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             qb = i % Q_BUFS
             q = q_smem.index(NC * qb + WG)
 
-            # block 0 (masked; FIRST_UNMASKED: without the mask where the tile needs none there)
+            # block 0 (without the mask where the whole tile needs none: n_full > 0)
             mbarrier.wait(q_bars.index(qb), (i // Q_BUFS) & 1)
             _stamp(TRACE_BUF, i, 8 * WG + 1, TRACE)
             mbarrier.wait(k_bars.index(J % STAGES), (J // STAGES) & 1)
@@ -480,7 +482,7 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             if K_APART:
                 mbarrier.arrive(k_empty.index(J % STAGES))
-            if FIRST_UNMASKED and n_full > 0:
+            if n_full > 0:
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, False,
                                                      CAUSAL)
             else:
@@ -559,7 +561,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
-    SPLIT_WAIT: gl.constexpr = False, FIRST_UNMASKED: gl.constexpr = False,
+    SPLIT_WAIT: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -603,19 +605,19 @@ def _fwd_ws_kernel(
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, FIRST_UNMASKED)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, FIRST_UNMASKED)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, FIRST_UNMASKED)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, FIRST_UNMASKED)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT, FIRST_UNMASKED)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
