@@ -434,6 +434,37 @@ def test_fused_dq_section_bad_value(value):
         bwd.bwd_sm90.section_order(value, 7, 8, torch.empty(0), 1, 1000)
 
 
+@pytest.mark.parametrize("value,swizzle", [(None, 128), ("128", 128), ("32", 32)])
+def test_dq_swizzle_launch(monkeypatch, value, swizzle):
+    """TRITONATTN_BWD_DQ_SWIZZLE (an experiment, bwd.dq_swizzle_bytes): the fused dQ's staging
+    swizzle reaches the Gluon dK/dV launch (DQ_SWIZZLE) and the plan's key (a switched call does not
+    replay the other's plan); a value that is not 32 or 128 is an error naming the variable."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
+    S = configs.FUSED_DQ_MIN_SEQLEN[128][0]
+    q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
+    plan.clear()
+    for env in ("128", value):  # (the default's plan first: the switched call must not replay it)
+        if env is None:
+            monkeypatch.delenv("TRITONATTN_BWD_DQ_SWIZZLE", raising=False)
+        else:
+            monkeypatch.setenv("TRITONATTN_BWD_DQ_SWIZZLE", env)
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
+    (kwargs,) = [kw for name, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+    assert kwargs["FUSED_DQ"] and kwargs["DQ_SWIZZLE"] == swizzle
+    for bad in ("64", "x"):
+        monkeypatch.setenv("TRITONATTN_BWD_DQ_SWIZZLE", bad)
+        with pytest.raises(ValueError, match="TRITONATTN_BWD_DQ_SWIZZLE"):
+            bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
+
+
 def test_fused_dq_section_rule(monkeypatch):
     """The sections' default (section_order unset): on where GROUP x longest is within
     configs.FUSED_SECTION_ROWS (few steps per program), a wave's worth of kv heads (SMs // key

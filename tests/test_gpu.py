@@ -833,14 +833,18 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
     ("TRITONATTN_BWD_DESC_3D", 256, 2048, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 2048, 2, True),
     ("TRITONATTN_BWD_SPLIT_WAITS", 64, 4096, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 64, 2048, 2, False),
     ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, False), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, True),
+    ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 2, False), ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 8, True),
 ], ids=["desc-3d-D128", "desc-3d-D64", "desc-3d-D256", "split-waits-D128", "split-waits-D64-causal",
-        "split-waits-D64-full", "split-waits-D128-MHA-full", "split-waits-D128-MHA-causal"])
+        "split-waits-D64-full", "split-waits-D128-MHA-full", "split-waits-D128-MHA-causal", "dq-swizzle-32-full",
+        "dq-swizzle-32-MHA-causal"])
 def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, poison):
     """Experiments of the Gluon dK/dV kernel that keep its arithmetic, so the gradients are bitwise
     the default's: TRITONATTN_BWD_DESC_3D=1 (the producer reads Q / dO of the group's heads through
-    one 3-d descriptor, the same loads in the same order) and TRITONATTN_BWD_SPLIT_WAITS=1 (a step's
-    products awaited one at a time). Odd query counts; GQA causal (D=64's causal loops split in two,
-    D=256 split by gradient), D=64 without a mask, and MHA at 4096 (the fused dQ where it serves)."""
+    one 3-d descriptor, the same loads in the same order), TRITONATTN_BWD_SPLIT_WAITS=1 (a step's
+    products awaited one at a time) and TRITONATTN_BWD_DQ_SWIZZLE=32 (the fused dQ's staging tiles
+    with a 32-byte swizzle: the same additions in the same order). Odd query counts; GQA causal
+    (D=64's causal loops split in two, D=256 split by gradient), D=64 without a mask, and MHA at
+    4096 (the fused dQ where it serves)."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     torch.manual_seed(D)
@@ -848,11 +852,13 @@ def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, 
     out = flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     grads = []
-    for env in ("0", "1"):
+    for env in ("128", "32") if switch == "TRITONATTN_BWD_DQ_SWIZZLE" else ("0", "1"):
         monkeypatch.setenv(switch, env)
         names = _launched(monkeypatch)
         grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         assert "_bwd_dkdv_ws_kernel" in names, names
+        if switch == "TRITONATTN_BWD_DQ_SWIZZLE":
+            assert "_bwd_dq_convert_kernel" in names, names  # (the fused dQ, which the switch is about)
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 

@@ -309,7 +309,8 @@ def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale
 
 @gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, dq_stage,
-               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
+               DQ_SWIZZLE: gl.constexpr = 128):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk, in
     _step's LOCKSTEP order) it adds both consumers' staged dQ tiles to the fp32 buffer with TMA
     reductions (rows ``dqa_row0 + g * dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles
@@ -324,7 +325,7 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
     at the same step: the programs of a head are skewed by one addition each, once. Without it,
     the additions land in any order."""
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, DQ_COLS], layout)
     for t in range(GROUP * n_m):
         g, blk = _step(t, GROUP, lo_blk, n_m, True)
@@ -556,7 +557,7 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
-    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0,
+    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0, DQ_SWIZZLE: gl.constexpr = 128,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -627,8 +628,10 @@ def _bwd_dkdv_ws_kernel(
         # empty barrier each (without FUSED_DQ the partitions get other buffers in their place, unread)
         ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], layout)
         ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # (DQ_SWIZZLE, an experiment: 128 gives the consumers' 8-byte stores from the wgmma
+        # accumulator 2-way bank conflicts, 32 none, the writer then issuing 4x the TMA reductions)
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
-                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                             gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE, element_bitwidth=32,
                                                                   rank=2))
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -676,7 +679,7 @@ def _bwd_dkdv_ws_kernel(
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
                          HEAD_DIM, BLOCK_M, STAGES, True)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
-                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
+                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC, DQ_SWIZZLE)),
         ], [4, 1, 1], [240, 24, 24])
     elif SPLIT_GRADS:
         gl.warp_specialize([
