@@ -173,6 +173,7 @@ def test_dispatch_alignment_and_replay_in_another_thread(monkeypatch, mode):
         seen.append((fn.__name__, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
 
     monkeypatch.setattr(launch, "launch", record)
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # (the split kernels: a Gluon and a Triton one)
     plan.clear()
     var = Variants(softmax_scale=SCALE, win_right=0)
     q, k, v = qkv()
@@ -357,6 +358,8 @@ def test_varlen_dkdv_launch(monkeypatch):
     from tritonattn.kernels.common import LENGTH_CAP
 
     seen, cu_q, cu_k, (q, k, v), var = _recorded_varlen_call(monkeypatch, bwd)
+    # (the split dQ: from 2048 a causal call fuses it, test_fused_dq_varlen_classes)
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(8, 3001)
     bwd.attention_backward(do, q, k, v, out, lse, var)
     assert [name for name, *_ in seen] == ["_bwd_dq_kernel", "_bwd_dkdv_kernel", "_bwd_dkdv_ws_kernel"], seen
@@ -652,7 +655,11 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
         assert "_bwd_dkdv_ws_kernel" not in names and "_bwd_dkdv_kernel" in names, names
         return
     _, grid, args, kwargs = next(s for s in seen if s[0] == "_bwd_dkdv_ws_kernel")
-    assert grid == (-(-S // (64 if D == 256 else 128)), 2 * 2), grid
+    n_kb = -(-S // (64 if D == 256 else 128))
+    # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
+    sec = kwargs["SECTION"]
+    assert (sec > 0) == (kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and configs.fused_sections(4, S)), kwargs
+    assert grid == ((n_kb * 2 * 2,) if sec else (n_kb, 2 * 2)), grid
     assert bwd.bwd_sm90.block_n(D) == (64 if D == 256 else 128)
     assert kwargs["SPLIT_DIAG"] == (D == 64) and kwargs["BLOCK_M"] == bwd.bwd_sm90.TILES[D][0], kwargs
     if D == 256:
