@@ -253,6 +253,8 @@ def main(argv=None) -> int:
                 # semaphores), dense and packed (a launch per length class: the fused one, the Gluon
                 # dK/dV kernel without dQ, the Triton one)
                 (f"gluon-fused-dq-full-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True)),
+                # (its programs on the 2-d grid, the default where a program's steps are past the sections' rule)
+                (f"gluon-fused-dq-2d-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True, section="0")),
                 (f"gluon-fused-dq-varlen-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, varlen=True,
                                                                           fused_dq=True)),
                 # D=64 (128-row tiles; forced: no table entry there, the split dQ wins, NOTES twenty-seventh session)

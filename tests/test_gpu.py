@@ -188,6 +188,8 @@ GLUON_CASES = [
     (1, 4100, 1, 4, 1, 128, False, F16),
     (1, 5000, 5000, 2, 2, 128, True, BF16),
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward from 1024, without a mask and with one
+    (2, 777, 700, 8, 2, 128, False, BF16),  # the Gluon dK/dV kernel without the fused dQ (512-1023, no mask)
+    (1, 2100, 2000, 16, 2, 128, True, BF16),  # causal, 8 query heads per kv head: split dQ until 4096
     (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
     (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
@@ -220,8 +222,8 @@ GLUON_CASES = [
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal,dtype", GLUON_CASES, ids=[case_id(*c) for c in GLUON_CASES])
 def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch):
     """The Gluon sm_90 forward and dK/dV kernels: taken (the dK/dV kernel from its own length),
-    within the reference's tolerance (out, lse, dQ from the Triton dQ kernel, dK / dV), bitwise the
-    same on a rerun."""
+    within the reference's tolerance (out, lse, dQ from the Triton dQ kernel or, from
+    configs.FUSED_DQ_MIN_SEQLEN, the fused dQ, dK / dV), bitwise the same on a rerun."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
     names = _launched(monkeypatch)
@@ -830,7 +832,7 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
 
 @pytest.mark.parametrize("switch,D,S,hkv,causal", [
     ("TRITONATTN_BWD_DESC_3D", 128, 2048, 2, True), ("TRITONATTN_BWD_DESC_3D", 64, 4096, 2, True),
-    ("TRITONATTN_BWD_DESC_3D", 256, 2048, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 2048, 2, True),
+    ("TRITONATTN_BWD_DESC_3D", 256, 2048, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 1000, 2, False),
     ("TRITONATTN_BWD_SPLIT_WAITS", 64, 4096, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 64, 2048, 2, False),
     ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, False), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, True),
     ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 2, False), ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 8, True),
@@ -844,9 +846,12 @@ def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, 
     products awaited one at a time) and TRITONATTN_BWD_DQ_SWIZZLE=32 (the fused dQ's staging tiles
     with a 32-byte swizzle: the same additions in the same order). Odd query counts; GQA causal
     (D=64's causal loops split in two, D=256 split by gradient), D=64 without a mask, and MHA at
-    4096 (the fused dQ where it serves)."""
+    4096 (the fused dQ; DESC_3D only acts without it, so its cases keep the split dQ), D=128 GQA at
+    1000 without a mask (the Gluon kernel without the fused dQ)."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    if switch == "TRITONATTN_BWD_DESC_3D":
+        monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
     torch.manual_seed(D)
     q, k, v = random_qkv(2, S - 37, S, 8, hkv, D, BF16, DEVICE)
     out = flash_attn_func(q, k, v, causal=causal)

@@ -131,6 +131,11 @@ def test_length_breaks():
             for mask in (False, True):
                 first = next(n for n in range(1, 2**16) if configs.fused_dq_serves(head_dim, mask, n, group))
                 assert first in breaks, (group, mask)
+                # monotone: fused at every length from the first (length classes rely on it)
+                assert all(configs.fused_dq_serves(head_dim, mask, n, group) for n in range(first, 2**15, 61))
+                # the masked first length: the table's where sections serve it, else the 2-d grid's
+                assert first == (full if not mask else masked if configs.fused_sections(group, masked)
+                                 else max(masked, configs.FUSED_DQ_MASKED_GRID_FIRST)), (group, mask)
 
 
 def test_length_classes_off(monkeypatch):

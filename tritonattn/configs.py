@@ -363,21 +363,26 @@ GLUON_MIN_SEQLEN = {
 # one 1.02x at 2048, 0.90x at 4096, 0.87x at 8192, 0.89x at 16384. (Sixteenth session, heads
 # first: the masked order was 1.09-1.17x, the semaphores serialising a head's staggered programs.)
 # Twenty-eighth session: with the ordered fused dQ's programs in sections (FUSED_SECTION_ROWS below)
-# the fused kernel beats the split ones from 1024 without a mask and from 2048 with one, at every
-# group (before: 2048, and 4096 with GROUP x longest >= 8192 under a mask). bwd_flags.py, the
+# the fused kernel beats the split ones from 1024 without a mask and from 2048 with one (before:
+# 2048, and 4096 with GROUP x longest >= 8192 under a mask). bwd_flags.py, the
 # backward's kernels in graph replays, speed-ups over the split / the 2-d fused default, D=128, two
 # rounds: fa (MHA, 16 heads) without a mask 1.07x at 1024, 1.07-1.08x at 2048 (already fused), 1.03x
 # at 4096; causal 0.99x at 1024 (so 2048), 1.11x at 2048, 1.16x at 4096, 1.10x at 8192 (already
 # fused); llama (GQA 32 / 8) causal 1.10-1.15x at 2048 (the masked cells over 8192 group rows were
-# fused already, where sections are off).
+# fused already, where sections are off). A masked call whose program has more steps at that first
+# length than the sections serve (GROUP x first > FUSED_SECTION_ROWS) starts at
+# FUSED_DQ_MASKED_GRID_FIRST instead, on the 2-d grid: measured there in the seventeenth session,
+# llama causal 1.02x the split's time at 2048, 0.90x at 4096.
 FUSED_DQ_MIN_SEQLEN = {128: (1024, 2048)}
+FUSED_DQ_MASKED_GRID_FIRST = 4096
 # The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
 # (bwd_sm90.section_order), where a program's steps are few: GROUP x longest <= FUSED_SECTION_ROWS.
 # A head's programs wait on each other's turns at each query block (the deterministic order); with
 # few steps per program that one-time skew is a large part of the kernel (16% at fa D=128 S=2048,
 # twenty-seventh session), and key blocks outer start a program after the ones it waits on. With
-# many steps the skew is spread and sections only cost L2 reuse: llama (GROUP 4) 0.99-1.02x at 4096
-# (16384 group rows), 0.87-0.98x at 8192, causal; fa (GROUP 1) 8192 without a mask 0.99-1.01x.
+# many steps the skew is spread and sections only cost L2 reuse: llama (GROUP 4) 0.96-1.02x at 4096
+# (16384 group rows) and 0.87-0.99x at 8192; at the edge, fa (GROUP 1) 8192 (sections on) 0.99-1.01x
+# without a mask and 1.10x causal.
 # FUSED_SECTION_MIN_HEADS: the section's kv heads are a wave's worth of programs (SMs // key blocks),
 # at least this many (4 and 8 measured alike at fa 8192; 8 best at fa 2048, 16 at llama causal 2048).
 FUSED_SECTION_ROWS = 8192
@@ -419,10 +424,15 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
 def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bool:
     """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
     or not, whose longest side is ``longest``, with ``group`` query heads per kv head) computes dQ
-    too: :data:`FUSED_DQ_MIN_SEQLEN`. (``group``: kept for rules by group; none since the
-    twenty-eighth session.)"""
+    too: :data:`FUSED_DQ_MIN_SEQLEN`; masked, from :data:`FUSED_DQ_MASKED_GRID_FIRST` where the
+    group's programs at the table's length would have too many steps for sections (fused_sections).
+    Monotone in ``longest`` for every group (the first length depends on the group only)."""
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
-    return first is not None and longest >= first
+    if first is None:
+        return False
+    if masked and not fused_sections(group, first):
+        first = max(first, FUSED_DQ_MASKED_GRID_FIRST)
+    return longest >= first
 
 
 def fused_sections(group: int, longest: int) -> bool:
@@ -435,7 +445,7 @@ def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair if n != math.inf}
-    fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None}
+    fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None} | {FUSED_DQ_MASKED_GRID_FIRST}
     return {SHORT_SEQLEN + 1, *gluon, *fused}
 
 

@@ -12,8 +12,10 @@ must equal bitwise the first setting's unless a part turns the order of the dQ a
 Shapes: the fa grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32,
 Hkv=8).
 
-    python benchmarks/experiments/bwd_flags.py --settings - BWD_FUSED_SECTION=auto BWD_FUSED_SECTION=8 \
+    python benchmarks/experiments/bwd_flags.py --settings - BWD_FUSED_SECTION=0 BWD_FUSED_SECTION=8 \
         --head-dims 128 --seqlens 2048 4096 --causal no yes [--llama] [--rounds 3]
+
+("-": the defaults, sections of kv heads included where configs.fused_sections says; =0 the 2-d grid.)
 
 (Written in the twenty-seventh session for the fused dQ's sections and the dK/dV kernel's split
 waits; before it, profile_case.py ran one setting per process.)

@@ -47,6 +47,9 @@ VARIANTS = {
     # the ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
     # (TRITONATTN_BWD_FUSED_SECTION=auto: bwd_sm90.section_order)
     "tritonattn+fused-sections": dict(),
+    # the ordered fused dQ on the 2-d grid (TRITONATTN_BWD_FUSED_SECTION=0; sections are the default where
+    # configs.fused_sections says)
+    "tritonattn+fused-2d": dict(),
     # heads-first program order under a causal mask forced (configs.HEADS_FIRST = True while measured;
     # the default chooses it per call, configs.heads_first)
     "tritonattn+heads-first": dict(),
@@ -59,6 +62,7 @@ VARIANT_ENV = {
     "tritonattn+bwd-desc-3d": {"TRITONATTN_BWD_DESC_3D": "1"},
     "tritonattn+bwd-split-waits": {"TRITONATTN_BWD_SPLIT_WAITS": "1"},
     "tritonattn+fused-sections": {"TRITONATTN_BWD_FUSED_SECTION": "auto"},
+    "tritonattn+fused-2d": {"TRITONATTN_BWD_FUSED_SECTION": "0"},
 }
 ALL_BACKENDS = ["tritonattn", *PEERS, "sdpa-math", *VARIANTS]
 MODES = ["fwd", "bwd", "fwd+bwd"]

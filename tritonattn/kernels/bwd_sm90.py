@@ -723,7 +723,7 @@ def _section_program(pid, n_programs, n_kb, SECTION: gl.constexpr):
     return r // heads, sec * SECTION + r % heads
 
 
-def section_order(value: str | None, n_kb: int, heads: int, q, group: int, longest: int) -> int:
+def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, group: int, longest: int) -> int:
     """The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each, instead
     of a head's key blocks one after the other (twenty-seventh session; the default since the
     twenty-eighth where configs.fused_sections says). Returns SECTION, the kv heads per section (0:
@@ -743,7 +743,7 @@ def section_order(value: str | None, n_kb: int, heads: int, q, group: int, longe
     text = (value or "").strip().lower()
     if value is not None and text in configs._OFF:
         return 0
-    if text and text != "auto" and not text.isdigit():
+    if text and text != "auto" and not (text.isascii() and text.isdigit()):
         raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
     if text.isdigit():
         return min(heads, int(text))
