@@ -115,6 +115,26 @@ def test_heads_first_rule(monkeypatch):
     assert not configs.heads_first(False, k_of(1, cuda=False), 65535)
 
 
+def test_getenv_follows_os_environ(monkeypatch):
+    """configs.getenv (the launchers' per-call read of their switches, without os.environ.get's cost
+    for an unset name) sees what os.environ holds at each call: unset, set, changed, deleted,
+    non-ASCII values, monkeypatch, and an os.environ that was replaced (then os.environ.get)."""
+    import os
+
+    name = "TRITONATTN_TEST_GETENV"
+    monkeypatch.delenv(name, raising=False)
+    assert configs.getenv(name) is None
+    for value in ("1", "", " all ", "\u00e9t\u00e9"):
+        monkeypatch.setenv(name, value)
+        assert configs.getenv(name) == value == os.environ.get(name)
+    os.environ[name] = "2"
+    assert configs.getenv(name) == "2"
+    del os.environ[name]
+    assert configs.getenv(name) is None
+    monkeypatch.setattr(os, "environ", {name: "replaced"})
+    assert configs.getenv(name) == "replaced" and configs.env_flag(name)
+
+
 def test_env_flag_spellings(monkeypatch):
     """Default-on switches (TRITONATTN_BWD_TMA) are turned off by the usual spellings of "off"."""
     for off in ("", "0", "false", "False", "OFF", "no", " 0 "):

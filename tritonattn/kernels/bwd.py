@@ -16,7 +16,6 @@ the group without an expanded K/V or a reduction pass. With dropout, dS = P * (d
 where Z = keep / (1 - p) is regenerated from the same Philox counters as the forward.
 """
 
-import os
 
 import torch
 import triton
@@ -663,7 +662,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     fused_mode = fused_dq_mode()  # the ordered fused dQ where configs.fused_dq_serves, or everywhere
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
-    section = os.environ.get("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
+    section = configs.getenv("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
     dq_swizzle = dq_swizzle_bytes()  # (an experiment)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
@@ -882,7 +881,7 @@ def dq_swizzle_bytes() -> int:
     shared wavefront of the kernel) and none under the 32-byte one, where a 128-byte line holds 4
     rows of 8 columns; the writer then issues a TMA reduction per 8 columns, not per 32. (64 bytes
     would keep 2-way conflicts: rows r and r + 2 of a half-warp share banks.)"""
-    value = os.environ.get("TRITONATTN_BWD_DQ_SWIZZLE", "").strip()
+    value = (configs.getenv("TRITONATTN_BWD_DQ_SWIZZLE") or "").strip()
     if not value:
         return 128
     if value not in ("32", "128"):
@@ -897,7 +896,7 @@ def fused_dq_mode() -> str | None:
     reruns stay bitwise equal. Unset or on ("1"): from the lengths of
     configs.FUSED_DQ_MIN_SEQLEN ("table"); "all": at every length, masked or not (for
     measurements); off ("0"): never (None)."""
-    value = os.environ.get("TRITONATTN_BWD_FUSED_DQ")
+    value = configs.getenv("TRITONATTN_BWD_FUSED_DQ")
     if value is not None and value.strip().lower() == "all":
         return "all"
     return "table" if configs.env_flag("TRITONATTN_BWD_FUSED_DQ", default=FUSED_DQ) else None
