@@ -4,11 +4,15 @@ TRITONATTN_BWD_FUSED_DQ, TRITONATTN_ATOMIC_DQ, ...) and are in the launch plan's
 alternate within one process.
 
 Each setting is a list of NAME=VALUE parts joined by "+" (NAME without the TRITONATTN_ prefix is
-taken with it), or "-" for none (the environment as the run started). Each setting runs every shape,
+taken with it), or "-" for none (the environment as the run started); a part
+"configs.NAME[KEY]...=LITERAL" sets an attribute of tritonattn.configs instead (fwd_flags.set_attr),
+e.g. configs.GLUON_MIN_SEQLEN[bwd_dkdv][128]=(512,512) (the Gluon dK/dV kernel with a causal mask
+from 512) or configs.FUSED_SECTION_ROWS=16384. Each setting runs every shape,
 in alternating rounds; its time is the best round's median of CUDA-event timings of CUDA-graph
 replays of the backward alone (one recorded forward), with cuDNN's backward beside. Its gradients
 must equal bitwise the first setting's unless a part turns the order of the dQ additions loose
-(ATOMIC_DQ=1) or changes the kernels (BWD_FUSED_DQ): a row then gives the largest difference.
+(ATOMIC_DQ=1) or may change the kernels (BWD_FUSED_DQ, configs.*): a row then gives the largest
+difference.
 Shapes: the fa grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32,
 Hkv=8).
 
@@ -38,14 +42,17 @@ from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.kernels import plan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fwd_flags import print_rows, shape  # noqa: E402  (the same shapes and rows as the forward's)
+from fwd_flags import print_rows, set_attr, shape  # noqa: E402  (the same shapes and rows as the forward's)
+
+from tritonattn import configs  # noqa: E402
 
 # parts after which the gradients may differ from the first setting's (other kernels or another order)
-LOOSE = ("TRITONATTN_ATOMIC_DQ", "TRITONATTN_BWD_FUSED_DQ")
+LOOSE = ("TRITONATTN_ATOMIC_DQ", "TRITONATTN_BWD_FUSED_DQ", "configs.")
 
 
 def _parts(setting: str) -> dict[str, str]:
-    """A setting's NAME=VALUE parts, names with the TRITONATTN_ prefix ("-": none)."""
+    """A setting's NAME=VALUE parts, environment names with the TRITONATTN_ prefix, "configs.*"
+    parts as they are ("-": none)."""
     env = {}
     for part in setting.split("+"):
         if part == "-":
@@ -53,20 +60,31 @@ def _parts(setting: str) -> dict[str, str]:
         name, eq, value = part.partition("=")
         if not eq:
             raise ValueError(f"{part!r}: a setting's parts are NAME=VALUE")
-        env[name if name.startswith("TRITONATTN_") else "TRITONATTN_" + name] = value
+        if name.startswith("configs."):
+            env[name] = value
+        else:
+            env[name if name.startswith("TRITONATTN_") else "TRITONATTN_" + name] = value
     return env
 
 
-def _apply(env: dict[str, str]) -> dict[str, str | None]:
-    """Set ``env``; returns the old values (None: unset)."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+def _apply(env: dict[str, str]) -> dict[str, object]:
+    """Set ``env`` (the environment, and configs' attributes); returns the old values (None: unset)."""
+    saved = {}
+    for name, value in env.items():
+        if name.startswith("configs."):
+            attr, old = set_attr(configs, f"{name[len('configs.'):]}={value}")
+            saved.setdefault("configs." + attr, old)
+        else:
+            saved[name] = os.environ.get(name)
+            os.environ[name] = value
     return saved
 
 
-def _restore(saved: dict[str, str | None]) -> None:
+def _restore(saved: dict[str, object]) -> None:
     for name, value in saved.items():
-        if value is None:
+        if name.startswith("configs."):
+            setattr(configs, name[len("configs."):], value)
+        elif value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
@@ -107,8 +125,8 @@ def main():
                             elif not all(torch.equal(x, y) for x, y in zip(grads, ref, strict=True)):
                                 diff = max((x.float() - y.float()).abs().max().item()
                                            for x, y in zip(grads, ref, strict=True))
-                                loose = " (expected: " + ", ".join(n for n in envs[s] if n in LOOSE) + ")" if any(
-                                    n in LOOSE for n in envs[s]) else ""
+                                named = [n for n in envs[s] if n.startswith(LOOSE)]
+                                loose = " (expected: " + ", ".join(named) + ")" if named else ""
                                 print(f"| {D} | {S} | {causal} | {s} | GRADIENTS DIFFER from the first setting's "
                                       f"(max abs {diff:.2e}){loose} |")
                             # fresh leaves: the eager call's AccumulateGrad nodes (default stream) must

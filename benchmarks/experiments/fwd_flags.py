@@ -46,18 +46,35 @@ def _key(text: str):
         return text
 
 
+def set_attr(module, part: str) -> tuple[str, object]:
+    """Set NAME (= 1), NAME=LITERAL or NAME[KEY]...[KEY]=LITERAL (an entry of a dict attribute, nested
+    dicts copied on the way, so the module's own dicts are left alone) on ``module``; returns
+    (NAME, its old value) for the caller to put back."""
+    target, _, value = part.partition("=")
+    value = ast.literal_eval(value) if value else 1
+    name, *keys = target.rstrip("]").replace("][", "[").split("[")
+    old = getattr(module, name)
+    top = value
+    if keys:
+        top = dict(old)
+        d = top
+        for k in keys[:-1]:
+            d[_key(k)] = dict(d.get(_key(k), {}))
+            d = d[_key(k)]
+        d[_key(keys[-1])] = value
+    setattr(module, name, top)
+    return name, old
+
+
 def _apply(parts: list[str]) -> dict:
-    """Set a setting's parts on fwd_sm90: NAME (= 1), NAME=LITERAL or NAME[KEY]...[KEY]=LITERAL (an
-    entry of a dict attribute, nested dicts copied on the way: TILES[128][O_TMA]=False,
+    """Set a setting's parts on fwd_sm90 (set_attr: TILES[128][O_TMA]=False,
     BY_MASK[(64,True)]={'NC':3}); returns the attributes' old values."""
     saved = {}
     for part in parts:
         if part in ("-", "table"):
             continue
-        target, _, value = part.partition("=")
-        value = ast.literal_eval(value) if value else 1
+        target = part.partition("=")[0]
         name, *keys = target.rstrip("]").replace("][", "[").split("[")
-        saved.setdefault(name, getattr(fwd_sm90, name))
         if name == "TILES" and keys and _key(keys[0]) not in fwd_sm90.TILES:
             raise ValueError(f"fwd_sm90.TILES has no head dim {keys[0]}")
         if name in ("TILES", "BY_MASK") and len(keys) == 2 and keys[1] not in fwd_sm90.tile(128, False):
@@ -66,15 +83,8 @@ def _apply(parts: list[str]) -> dict:
             shadowed = [m for m in (False, True) if keys[1] in fwd_sm90.BY_MASK.get((_key(keys[0]), m), {})]
             if shadowed:
                 print(f"note: {part} is overridden by BY_MASK where causal is {shadowed}")
-        top = value
-        if keys:
-            top = dict(getattr(fwd_sm90, name))
-            d = top
-            for k in keys[:-1]:
-                d[_key(k)] = dict(d.get(_key(k), {}))
-                d = d[_key(k)]
-            d[_key(keys[-1])] = value
-        setattr(fwd_sm90, name, top)
+        name, old = set_attr(fwd_sm90, part)
+        saved.setdefault(name, old)
     return saved
 
 
