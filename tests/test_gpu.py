@@ -236,6 +236,9 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf,) * 2)[causal]
     assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
+    # the fused dQ (its buffer converted into dq) exactly where configs.fused_dq_serves routes it
+    fused = gluon_bwd and configs.fused_dq_serves(D, causal, max(Sq, Sk), Hq // Hkv)
+    assert ("_bwd_dq_convert_kernel" in names) == fused and ("_bwd_dq_kernel" in names) != fused, names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
     again, lse2, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
