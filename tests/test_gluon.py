@@ -491,7 +491,7 @@ def test_fused_dq_launches(monkeypatch, env):
     on sm_90, launches recorded): a dense call without a mask from the fused length takes the delta
     preprocess and the Gluon dK/dV kernel with FUSED_DQ and DETERMINISTIC (no dQ kernel), its fp32
     buffer heads before rows and a semaphore per (batch, head, query block); with a causal mask
-    likewise from its own (longer) length, or from FUSED_DQ_MASKED_GRID_FIRST where the group's
+    likewise from its own (longer) length, or from FUSED_DQ_GRID_FIRST's where the group's
     programs would have too many steps for sections there; its programs in sections where
     configs.fused_sections says; the dQ kernel and the Gluon dK/dV kernel without it under those
     lengths or with TRITONATTN_BWD_FUSED_DQ=0; with TRITONATTN_BWD_FUSED_DQ=all, the fused
@@ -511,12 +511,14 @@ def test_fused_dq_launches(monkeypatch, env):
         "configs.FUSED_DQ_MIN_SEQLEN / GLUON_MIN_SEQLEN moved: change the cases below"
     # (causal, S, kv heads of the 8 query heads, fused by default): without a mask from its length
     # (under it the Gluon kernel without dQ), with one from its own, for every group
-    grid_first = configs.FUSED_DQ_MASKED_GRID_FIRST
-    assert configs.fused_sections(4, masked) and not configs.fused_sections(8, masked) and grid_first > masked
-    # (8 query heads per kv head: too many steps for sections at the masked length, so from grid_first)
+    grid_full, grid_masked = configs.FUSED_DQ_GRID_FIRST[128]
+    assert configs.fused_sections(4, masked) and not configs.fused_sections(8, masked) and grid_masked > masked
+    assert configs.fused_sections(8, full) and not configs.fused_sections(16, full) and grid_full > full
+    # (8 query heads per kv head: too many steps for sections at the masked length, so from grid_masked;
+    # without a mask that takes 16, more than these calls' 8 query heads: test_length_breaks covers it)
     for causal, S, Hkv, default in ((False, full, 2, True), (False, full - 1, 8, False), (True, masked, 2, True),
                                     (False, full, 8, True), (True, masked, 8, True), (True, masked, 1, False),
-                                    (True, grid_first, 1, True), (False, full, 1, True)):
+                                    (True, grid_masked, 1, True), (False, full, 1, True)):
         q, k, v = qkv(Sq=S, Sk=S, Hkv=Hkv)
         do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
         plan.clear()

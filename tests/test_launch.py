@@ -133,9 +133,9 @@ def test_length_breaks():
                 assert first in breaks, (group, mask)
                 # monotone: fused at every length from the first (length classes rely on it)
                 assert all(configs.fused_dq_serves(head_dim, mask, n, group) for n in range(first, 2**15, 61))
-                # the masked first length: the table's where sections serve it, else the 2-d grid's
-                assert first == (full if not mask else masked if configs.fused_sections(group, masked)
-                                 else max(masked, configs.FUSED_DQ_MASKED_GRID_FIRST)), (group, mask)
+                # the table's first length where sections serve it, else the 2-d grid's
+                table, grid = (full, masked)[mask], configs.FUSED_DQ_GRID_FIRST[head_dim][mask]
+                assert first == (table if configs.fused_sections(group, table) else max(table, grid)), (group, mask)
 
 
 def test_length_classes_off(monkeypatch):

@@ -394,12 +394,12 @@ GLUON_MIN_SEQLEN = {
 # rounds: fa (MHA, 16 heads) without a mask 1.07x at 1024, 1.07-1.08x at 2048 (already fused), 1.03x
 # at 4096; causal 0.99x at 1024 (so 2048), 1.11x at 2048, 1.16x at 4096, 1.10x at 8192 (already
 # fused); llama (GQA 32 / 8) causal 1.10-1.15x at 2048 (the masked cells over 8192 group rows were
-# fused already, where sections are off). A masked call whose program has more steps at that first
-# length than the sections serve (GROUP x first > FUSED_SECTION_ROWS) starts at
-# FUSED_DQ_MASKED_GRID_FIRST instead, on the 2-d grid: measured there in the seventeenth session,
-# llama causal 1.02x the split's time at 2048, 0.90x at 4096.
+# fused already, where sections are off). A call whose programs have more steps at that first length
+# than the sections serve (GROUP x first > FUSED_SECTION_ROWS) starts at FUSED_DQ_GRID_FIRST's length
+# instead, on the 2-d grid, as before the sections (seventeenth / eighteenth sessions: llama causal
+# 1.02x the split's time at 2048, 0.90x at 4096; without a mask 0.94x at 2048).
 FUSED_DQ_MIN_SEQLEN = {128: (1024, 2048)}
-FUSED_DQ_MASKED_GRID_FIRST = 4096
+FUSED_DQ_GRID_FIRST = {128: (2048, 4096)}
 # The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
 # (bwd_sm90.section_order), where a program's steps are few: GROUP x longest <= FUSED_SECTION_ROWS.
 # A head's programs wait on each other's turns at each query block (the deterministic order); with
@@ -449,14 +449,14 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
 def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bool:
     """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
     or not, whose longest side is ``longest``, with ``group`` query heads per kv head) computes dQ
-    too: :data:`FUSED_DQ_MIN_SEQLEN`; masked, from :data:`FUSED_DQ_MASKED_GRID_FIRST` where the
-    group's programs at the table's length would have too many steps for sections (fused_sections).
+    too: from :data:`FUSED_DQ_MIN_SEQLEN`'s length, or from :data:`FUSED_DQ_GRID_FIRST`'s where the
+    group's programs at that length would have too many steps for sections (fused_sections).
     Monotone in ``longest`` for every group (the first length depends on the group only)."""
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
     if first is None:
         return False
-    if masked and not fused_sections(group, first):
-        first = max(first, FUSED_DQ_MASKED_GRID_FIRST)
+    if not fused_sections(group, first):
+        first = max(first, FUSED_DQ_GRID_FIRST[head_dim][masked])
     return longest >= first
 
 
@@ -470,7 +470,8 @@ def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""
     gluon = {n for lengths in GLUON_MIN_SEQLEN.values() for pair in lengths.values() for n in pair if n != math.inf}
-    fused = {n for pair in FUSED_DQ_MIN_SEQLEN.values() for n in pair if n is not None} | {FUSED_DQ_MASKED_GRID_FIRST}
+    fused = {n for table in (FUSED_DQ_MIN_SEQLEN, FUSED_DQ_GRID_FIRST) for pair in table.values() for n in pair
+             if n is not None}
     return {SHORT_SEQLEN + 1, *gluon, *fused}
 
 
