@@ -57,6 +57,14 @@ def _release_gpu_memory():
         torch.cuda.empty_cache()
 
 
+def set_env(monkeypatch, name: str, value: str | None) -> None:
+    """``name`` set to ``value`` for the test, or unset when ``value`` is None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 def case_id(B, Sq, Sk, Hq, Hkv, D, causal, dtype, extra=""):
     """Readable test id, e.g. ``B2-Sq17-Sk65-H4/2-D40-causal-fp16``."""
     parts = [f"B{B}", f"Sq{Sq}", f"Sk{Sk}", f"H{Hq}/{Hkv}", f"D{D}", "causal" if causal else "full",

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import set_env
 
 from tritonattn import configs
 from tritonattn.kernels import bwd, fwd
@@ -410,10 +411,7 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     plan.clear()  # (once: the later calls replay their plans, which must follow the switch: it is in the key)
     launches = []
     for env in (section, "0", section):
-        if env is None:
-            monkeypatch.delenv("TRITONATTN_BWD_FUSED_SECTION", raising=False)
-        else:
-            monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
+        set_env(monkeypatch, "TRITONATTN_BWD_FUSED_SECTION", env)
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
         (grid, kwargs), = [(g, kw) for name, g, kw in seen if name == "_bwd_dkdv_ws_kernel"]
@@ -454,10 +452,7 @@ def test_dq_swizzle_launch(monkeypatch, value, swizzle):
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
     plan.clear()
     for env in ("128", value):  # (the default's plan first: the switched call must not replay it)
-        if env is None:
-            monkeypatch.delenv("TRITONATTN_BWD_DQ_SWIZZLE", raising=False)
-        else:
-            monkeypatch.setenv("TRITONATTN_BWD_DQ_SWIZZLE", env)
+        set_env(monkeypatch, "TRITONATTN_BWD_DQ_SWIZZLE", env)
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
     (kwargs,) = [kw for name, kw in seen if name == "_bwd_dkdv_ws_kernel"]
@@ -693,10 +688,7 @@ def test_dkdv_experiment_switch_is_in_the_plan_key(monkeypatch, switch, flag):
     plan.clear()
     flags = []
     for env in (None, "1", None):
-        if env is None:
-            monkeypatch.delenv(switch, raising=False)
-        else:
-            monkeypatch.setenv(switch, env)
+        set_env(monkeypatch, switch, env)
         seen.clear()
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
         flags.append([kw[flag] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])
@@ -720,10 +712,7 @@ def test_dkdv_split_waits_by_head_dim(monkeypatch, D):
     plan.clear()
     flags = []
     for env in (None, "0", "1"):
-        if env is None:
-            monkeypatch.delenv("TRITONATTN_BWD_SPLIT_WAITS", raising=False)
-        else:
-            monkeypatch.setenv("TRITONATTN_BWD_SPLIT_WAITS", env)
+        set_env(monkeypatch, "TRITONATTN_BWD_SPLIT_WAITS", env)
         seen.clear()
         bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0))
         flags.append([kw["SPLIT_WAITS"] for name, kw in seen if name == "_bwd_dkdv_ws_kernel"])

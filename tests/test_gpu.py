@@ -8,7 +8,14 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, case_id, check_against_reference, check_varlen_against_reference, in_both_program_orders
+from conftest import (
+    DEVICE,
+    case_id,
+    check_against_reference,
+    check_varlen_against_reference,
+    in_both_program_orders,
+    set_env,
+)
 
 from tritonattn import (
     configs,
@@ -1027,10 +1034,7 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
     grads, grids = [], []
     real = launch.launch  # (taken once: a second wrapper must not call the first and record twice)
     for env in ("0", section):
-        if env is None:
-            monkeypatch.delenv("TRITONATTN_BWD_FUSED_SECTION", raising=False)
-        else:
-            monkeypatch.setenv("TRITONATTN_BWD_FUSED_SECTION", env)
+        set_env(monkeypatch, "TRITONATTN_BWD_FUSED_SECTION", env)
         seen = []
 
         def record(fn, grid, args, kwargs, seen=seen, real=real):
