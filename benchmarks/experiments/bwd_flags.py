@@ -14,7 +14,7 @@ must equal bitwise the first setting's unless a part turns the order of the dQ a
 (ATOMIC_DQ=1) or may change the kernels (BWD_FUSED_DQ, configs.*): a row then gives the largest
 difference.
 Shapes: the fa grid's (16k tokens, hidden 2048, MHA), or with --llama the llama grid's (B=4, Hq=32,
-Hkv=8).
+Hkv=8); --group N: the fa shape with H // N kv heads.
 
     python benchmarks/experiments/bwd_flags.py --settings - BWD_FUSED_SECTION=0 BWD_FUSED_SECTION=8 \
         --head-dims 128 --seqlens 2048 4096 --causal no yes [--llama] [--rounds 3]
@@ -98,13 +98,21 @@ def main():
     p.add_argument("--causal", nargs="+", default=["no"], choices=["no", "yes"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--llama", action="store_true", help="B=4, Hq=32, Hkv=8 instead of the fa shape")
+    p.add_argument("--group", type=int, default=0,
+                   help="query heads per kv head on the fa shape (Hkv = H // GROUP; 0: the shape's own)")
     a = p.parse_args()
+    if a.group and (a.llama or a.group < 1):
+        p.error("--group: a positive number of query heads per kv head, on the fa shape (not with --llama)")
     envs = {s: _parts(s) for s in a.settings}
     print("| D | S | causal | setting | us | TFLOP/s | x first | x cuDNN |\n|---|---|---|---|---|---|---|---|")
     for D in a.head_dims:
         for S in a.seqlens:
             for causal in (c == "yes" for c in a.causal):
                 H, Hkv, B = shape(D, S, a.llama)
+                if a.group:
+                    if H % a.group:
+                        raise SystemExit(f"--group {a.group}: the fa shape at D={D} has {H} heads")
+                    Hkv = H // a.group
                 torch.manual_seed(S + D)
                 q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
