@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
-                 s=256, b=2, fused_dq=False, desc_3d=False, split_waits=None, section=None, dq_swizzle=None,
+                 s=256, b=2, fused_dq=False, desc_3d=False, split_waits=None, section=None,
                  expand_kv=False, fwd_only=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
@@ -197,8 +197,6 @@ def main(argv=None) -> int:
         os.environ["TRITONATTN_BWD_DESC_3D"] = "1" if desc_3d else "0"
         if section is not None:
             os.environ["TRITONATTN_BWD_FUSED_SECTION"] = section
-        if dq_swizzle is not None:
-            os.environ["TRITONATTN_BWD_DQ_SWIZZLE"] = dq_swizzle
         if split_waits is None:  # the library's default by head dim (configs.BWD_SPLIT_WAITS)
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
         else:
@@ -212,7 +210,6 @@ def main(argv=None) -> int:
             os.environ.pop("TRITONATTN_BWD_DESC_3D")
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
             os.environ.pop("TRITONATTN_BWD_FUSED_SECTION", None)
-            os.environ.pop("TRITONATTN_BWD_DQ_SWIZZLE", None)
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -264,9 +261,6 @@ def main(argv=None) -> int:
                 (f"gluon-fused-dq-sections-varlen-{dt}", 128, dtypes[dt], {},
                  dict(s=4096, gluon=True, varlen=True, fused_dq=True, section="3")),
                 (f"gluon-fused-dq-full-D64-{dt}", 64, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq="all")),
-                # TRITONATTN_BWD_DQ_SWIZZLE=32 (an experiment): the fused dQ's staging tiles with a 32-byte swizzle
-                (f"gluon-fused-dq-swizzle32-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
-                                                                            dq_swizzle="32")),
                 # the Gluon forward's other head dims (from their lengths), and the Gluon dK/dV kernel at D=64 (full)
                 (f"gluon-causal-D64-{dt}", 64, dtypes[dt], dict(base), dict(s=8192, gluon=True)),
                 # the Gluon forward with its cycle stamps (fwd_sm90.TRACE_BUF; forward only)

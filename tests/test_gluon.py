@@ -3,6 +3,7 @@ dK/dV kernel (kernels.bwd._gluon_ok), decided on CPU tensors as if they were on 
 interpreter cannot run Gluon: the kernels' sm_90 compile is checked by test_compile_sm90.py, their
 results by the GPU tier (test_gpu.py::test_gluon_*)."""
 
+import functools
 import math
 
 import pytest
@@ -404,7 +405,7 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
     S = 7 * bwd.bwd_sm90.BLOCK_N - 5  # 7 key blocks
-    assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0] and configs.fused_sections(2, S)
+    assert S >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][0] and configs.fused_sections(128, 2, S)
     assert configs.FUSED_SECTION_MIN_HEADS < 5, "the rule's floor moved: change the SMs above"
     q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
@@ -432,35 +433,7 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
 def test_fused_dq_section_bad_value(value):
     """A TRITONATTN_BWD_FUSED_SECTION that is no count, 'auto' or 0: an error naming the variable."""
     with pytest.raises(ValueError, match="TRITONATTN_BWD_FUSED_SECTION"):
-        bwd.bwd_sm90.section_order(value, 7, 8, torch.empty(0), 1, 1000)
-
-
-@pytest.mark.parametrize("value,swizzle", [(None, 128), ("128", 128), ("32", 32)])
-def test_dq_swizzle_launch(monkeypatch, value, swizzle):
-    """TRITONATTN_BWD_DQ_SWIZZLE (an experiment, bwd.dq_swizzle_bytes): the fused dQ's staging
-    swizzle reaches the Gluon dK/dV launch (DQ_SWIZZLE) and the plan's key (a switched call does not
-    replay the other's plan); a value that is not 32 or 128 is an error naming the variable."""
-    from tritonattn.kernels import launch, plan
-
-    monkeypatch.setattr(bwd, "GLUON", True)
-    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
-    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    seen = []
-    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
-    S = configs.FUSED_DQ_MIN_SEQLEN[128][0]
-    q, k, v = qkv(Sq=S, Sk=S, Hkv=4)
-    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S)
-    plan.clear()
-    for env in ("128", value):  # (the default's plan first: the switched call must not replay it)
-        set_env(monkeypatch, "TRITONATTN_BWD_DQ_SWIZZLE", env)
-        del seen[:]
-        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
-    (kwargs,) = [kw for name, kw in seen if name == "_bwd_dkdv_ws_kernel"]
-    assert kwargs["FUSED_DQ"] and kwargs["DQ_SWIZZLE"] == swizzle
-    for bad in ("64", "x"):
-        monkeypatch.setenv("TRITONATTN_BWD_DQ_SWIZZLE", bad)
-        with pytest.raises(ValueError, match="TRITONATTN_BWD_DQ_SWIZZLE"):
-            bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE))
+        bwd.bwd_sm90.section_order(value, 7, 8, torch.empty(0), 1, 1000, 128)
 
 
 def test_fused_dq_section_rule(monkeypatch):
@@ -469,8 +442,8 @@ def test_fused_dq_section_rule(monkeypatch):
     blocks) but at least FUSED_SECTION_MIN_HEADS and at most the call's heads; off past it, where
     "auto" and a number still set them."""
     monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 132)
-    rows, floor, cpu = configs.FUSED_SECTION_ROWS, configs.FUSED_SECTION_MIN_HEADS, torch.empty(0)
-    order = bwd.bwd_sm90.section_order
+    rows, floor, cpu = configs.FUSED_SECTION_ROWS[128], configs.FUSED_SECTION_MIN_HEADS, torch.empty(0)
+    order = functools.partial(bwd.bwd_sm90.section_order, head_dim=128)
     assert order(None, 16, 128, cpu, 1, 2048) == 132 // 16  # fa D=128 S=2048: 8 heads a section
     assert order(None, 16, 128, cpu, rows // 2048, 2048) == 8  # (the group's edge: still on)
     assert order(None, 16, 128, cpu, 2 * rows // 2048, 2048) == 0  # past it: the 2-d grid
@@ -478,6 +451,9 @@ def test_fused_dq_section_rule(monkeypatch):
     assert order(None, 64, 128, cpu, 1, 8192) == max(floor, 132 // 64)  # the floor
     assert order(None, 16, 3, cpu, 1, 2048) == 3 and order(None, 200, 128, cpu, 1, 100) == floor
     assert order("off", 16, 128, cpu, 1, 2048) == 0 and order("", 16, 128, cpu, 1, 2048) == 0
+    # D=64 (its fused dQ without a mask): sections at every group and length
+    assert configs.FUSED_SECTION_ROWS[64] == math.inf
+    assert bwd.bwd_sm90.section_order(None, 64, 32, cpu, 16, 8192, 64) == max(floor, 132 // 64)
 
 
 @pytest.mark.parametrize("env", [None, "0", "all"], ids=["default", "off", "all"])
@@ -507,8 +483,9 @@ def test_fused_dq_launches(monkeypatch, env):
     # (causal, S, kv heads of the 8 query heads, fused by default): without a mask from its length
     # (under it the Gluon kernel without dQ), with one from its own, for every group
     grid_full, grid_masked = configs.FUSED_DQ_GRID_FIRST[128]
-    assert configs.fused_sections(4, masked) and not configs.fused_sections(8, masked) and grid_masked > masked
-    assert configs.fused_sections(8, full) and not configs.fused_sections(16, full) and grid_full > full
+    sections = functools.partial(configs.fused_sections, 128)
+    assert sections(4, masked) and not sections(8, masked) and grid_masked > masked
+    assert sections(8, full) and not sections(16, full) and grid_full > full
     # (8 query heads per kv head: too many steps for sections at the masked length, so from grid_masked;
     # without a mask that takes 16, more than these calls' 8 query heads: test_length_breaks covers it)
     for causal, S, Hkv, default in ((False, full, 2, True), (False, full - 1, 8, False), (True, masked, 2, True),
@@ -526,7 +503,7 @@ def test_fused_dq_launches(monkeypatch, env):
         _, grid, args, kwargs = seen[1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
         # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
-        assert (kwargs["SECTION"] > 0) == (fused and configs.fused_sections(8 // Hkv, S)), (causal, S, Hkv, kwargs)
+        assert (kwargs["SECTION"] > 0) == (fused and configs.fused_sections(128, 8 // Hkv, S)), (causal, S, Hkv, kwargs)
         assert len(grid) == (1 if kwargs["SECTION"] else 2)
         if fused:
             dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
@@ -552,6 +529,36 @@ def test_fused_dq_launches(monkeypatch, env):
             assert again is not dqa and again.shape == dqa.shape and not again.any()
             assert again_sem is not sem and again_sem.shape == sem.shape and not again_sem.any()
             assert seen[2][2][0] is again
+
+
+def test_fused_dq_launches_d64(monkeypatch):
+    """D=64's fused dQ (configs.FUSED_DQ_MIN_SEQLEN[64]): without a mask from its length at every
+    group, its programs in sections at every group and length (FUSED_SECTION_ROWS[64]); one short
+    of it, and with a causal mask at any length, the split kernels (the dQ kernel, the Gluon dK/dV
+    kernel with its split waits)."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
+    full, masked = configs.FUSED_DQ_MIN_SEQLEN[64]
+    assert masked is None and full >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"][64][0]
+    for causal, S, Hkv, fused in ((False, full, 2, True), (False, full - 1, 2, False), (False, 2 * full, 1, True),
+                                  (True, 2 * full, 2, False), (True, 4 * full, 8, False)):
+        q, k, v = qkv(Sq=S - 3, Sk=S, Hkv=Hkv, D=64)
+        do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(2, 8, S - 3)
+        plan.clear()
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0 if causal else None))
+        names = [name for name, *_ in seen]
+        assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"] if fused else
+                         ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (causal, S, Hkv, names)
+        _, grid, kwargs = seen[1]
+        assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, (causal, S, Hkv)
+        assert (kwargs["SECTION"] > 0) == fused and len(grid) == (1 if fused else 2), (causal, S, Hkv, kwargs)
+        assert kwargs["SPLIT_WAITS"] == (not fused)  # (configs.BWD_SPLIT_WAITS: the split dK/dV kernel only)
 
 
 def check_dq_convert(device, packed: bool, dtype) -> None:
@@ -660,7 +667,7 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
     n_kb = -(-S // (64 if D == 256 else 128))
     # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
     sec = kwargs["SECTION"]
-    assert (sec > 0) == (kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and configs.fused_sections(4, S)), kwargs
+    assert (sec > 0) == (kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and configs.fused_sections(D, 4, S)), kwargs
     assert grid == ((n_kb * 2 * 2,) if sec else (n_kb, 2 * 2)), grid
     assert bwd.bwd_sm90.block_n(D) == (64 if D == 256 else 128)
     assert kwargs["SPLIT_DIAG"] == (D == 64) and kwargs["BLOCK_M"] == bwd.bwd_sm90.TILES[D][0], kwargs

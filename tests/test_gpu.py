@@ -212,6 +212,7 @@ GLUON_CASES = [
     (1, 8192, 8191, 4, 2, 64, True, F16),
     (1, 4095, 4095, 2, 2, 64, True, BF16),  # one short of D=64's causal length: the Triton forward
     (1, 4096, 4000, 4, 1, 64, False, BF16),
+    (2, 2048, 2000, 8, 1, 64, False, F16),  # D=64's fused dQ from its length (no mask), 8 query heads per kv head
     (1, 2047, 2047, 2, 2, 64, False, BF16),  # three consumers (192-row tiles), a length no multiple of them
     (1, 511, 511, 2, 2, 64, False, BF16),  # one short of D=64's length: the Triton forward
     # the dK/dV kernel's other tiles: D=64 causal (its crossing blocks in loops of their own), D=256
@@ -560,15 +561,15 @@ def test_variants_on_gpu(name, B, S, Hq, Hkv, D, kw, dtype, poison):
                             dbias=grads[3] if bias is not None else None, **ref_kw)
 
 
-def _packed_run(lens, Hq, Hkv, causal, seed):
-    """A bf16 D=128 varlen forward + backward over sequences of ``lens`` (self-attention):
+def _packed_run(lens, Hq, Hkv, causal, seed, D=128):
+    """A bf16 varlen forward + backward (head dim D) over sequences of ``lens`` (self-attention):
     ``(cu, (q, k, v), out, lse, dout, (dq, dk, dv))``."""
     from tritonattn import flash_attn_varlen_func
 
     torch.manual_seed(seed)
     cu = _cu_seqlens(lens)
     total = sum(lens)
-    qkv = tuple(torch.randn(total, h, 128, device=DEVICE, dtype=BF16, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    qkv = tuple(torch.randn(total, h, D, device=DEVICE, dtype=BF16, requires_grad=True) for h in (Hq, Hkv, Hkv))
     out, lse, _ = flash_attn_varlen_func(*qkv, cu, cu, max(lens), max(lens), causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     return cu, qkv, out, lse, dout, torch.autograd.grad(out, qkv, dout)
@@ -661,15 +662,16 @@ def test_varlen_bitwise_equals_dense_on_gpu(causal, invariant, poison, monkeypat
         assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), b
 
 
-def test_varlen_fused_dq_bitwise_equals_dense_on_gpu(poison, monkeypatch):
+@pytest.mark.parametrize("D", [128, 64])
+def test_varlen_fused_dq_bitwise_equals_dense_on_gpu(D, poison, monkeypatch):
     """A packed call without a mask whose sequences straddle the fused dQ's length
     (configs.FUSED_DQ_MIN_SEQLEN): the long ones through the Gluon kernel computing dQ too, the
     others through the dQ kernel and the Gluon / Triton dK/dV kernels; every sequence bitwise what
     its own dense call gives (which takes the same path), and within the reference's tolerance."""
     plan.clear()
-    first = configs.FUSED_DQ_MIN_SEQLEN[128][0]
-    lens = [first + 100, 700, 1, 2100, first, 0, 333]
-    cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 8, 2, False, seed=4)
+    first = configs.FUSED_DQ_MIN_SEQLEN[D][0]
+    lens = [first + 100, 700, 1, 2100, first, 0, 333, first - 1]
+    cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 8, 2, False, seed=4, D=D)
     check_varlen_against_reference(q, k, v, out, lse, (dq, dk, dv), dout, cu, False)
     names = _launched(monkeypatch)
     for b, n in enumerate(lens):
@@ -845,16 +847,13 @@ def _check_fused_dq(q, k, v, causal: bool, monkeypatch, reruns: int) -> None:
     ("TRITONATTN_BWD_DESC_3D", 256, 2048, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 1000, 2, False),
     ("TRITONATTN_BWD_SPLIT_WAITS", 64, 4096, 2, True), ("TRITONATTN_BWD_SPLIT_WAITS", 64, 2048, 2, False),
     ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, False), ("TRITONATTN_BWD_SPLIT_WAITS", 128, 4096, 8, True),
-    ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 2, False), ("TRITONATTN_BWD_DQ_SWIZZLE", 128, 2048, 8, True),
 ], ids=["desc-3d-D128", "desc-3d-D64", "desc-3d-D256", "split-waits-D128", "split-waits-D64-causal",
-        "split-waits-D64-full", "split-waits-D128-MHA-full", "split-waits-D128-MHA-causal", "dq-swizzle-32-full",
-        "dq-swizzle-32-MHA-causal"])
+        "split-waits-D64-full", "split-waits-D128-MHA-full", "split-waits-D128-MHA-causal"])
 def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, poison):
     """Experiments of the Gluon dK/dV kernel that keep its arithmetic, so the gradients are bitwise
     the default's: TRITONATTN_BWD_DESC_3D=1 (the producer reads Q / dO of the group's heads through
     one 3-d descriptor, the same loads in the same order), TRITONATTN_BWD_SPLIT_WAITS=1 (a step's
-    products awaited one at a time) and TRITONATTN_BWD_DQ_SWIZZLE=32 (the fused dQ's staging tiles
-    with a 32-byte swizzle: the same additions in the same order). Odd query counts; GQA causal
+    products awaited one at a time). Odd query counts; GQA causal
     (D=64's causal loops split in two, D=256 split by gradient), D=64 without a mask, and MHA at
     4096 (the fused dQ; DESC_3D only acts without it, so its cases keep the split dQ), D=128 GQA at
     1000 without a mask (the Gluon kernel without the fused dQ)."""
@@ -867,13 +866,11 @@ def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, 
     out = flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     grads = []
-    for env in ("128", "32") if switch == "TRITONATTN_BWD_DQ_SWIZZLE" else ("0", "1"):
+    for env in ("0", "1"):
         monkeypatch.setenv(switch, env)
         names = _launched(monkeypatch)
         grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         assert "_bwd_dkdv_ws_kernel" in names, names
-        if switch == "TRITONATTN_BWD_DQ_SWIZZLE":
-            assert "_bwd_dq_convert_kernel" in names, names  # (the fused dQ, which the switch is about)
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 

@@ -125,17 +125,25 @@ def test_length_breaks():
     for lengths in configs.GLUON_MIN_SEQLEN.values():
         for pair in lengths.values():
             assert {n for n in pair if n != math.inf} <= breaks
-    for head_dim, (full, masked) in configs.FUSED_DQ_MIN_SEQLEN.items():
-        assert full in breaks and masked in breaks
+    for head_dim, pair in configs.FUSED_DQ_MIN_SEQLEN.items():
+        assert {n for n in pair if n is not None} <= breaks
         for group in range(1, 17):
             for mask in (False, True):
+                table = pair[mask]
+                grid = configs.FUSED_DQ_GRID_FIRST.get(head_dim, (None, None))[mask]
+                if table is None:  # never fused with this mask at this head dim
+                    assert not any(configs.fused_dq_serves(head_dim, mask, n, group) for n in (1, 2**12, 2**20))
+                    continue
+                sections = configs.fused_sections(head_dim, group, table)
+                if not sections and grid is None:  # sections don't serve the group, and no 2-d grid length
+                    assert not configs.fused_dq_serves(head_dim, mask, 2**20, group), (head_dim, group, mask)
+                    continue
                 first = next(n for n in range(1, 2**16) if configs.fused_dq_serves(head_dim, mask, n, group))
                 assert first in breaks, (group, mask)
                 # monotone: fused at every length from the first (length classes rely on it)
                 assert all(configs.fused_dq_serves(head_dim, mask, n, group) for n in range(first, 2**15, 61))
                 # the table's first length where sections serve it, else the 2-d grid's
-                table, grid = (full, masked)[mask], configs.FUSED_DQ_GRID_FIRST[head_dim][mask]
-                assert first == (table if configs.fused_sections(group, table) else max(table, grid)), (group, mask)
+                assert first == (table if sections else max(table, grid)), (head_dim, group, mask)
 
 
 def test_length_classes_off(monkeypatch):

@@ -398,7 +398,12 @@ GLUON_MIN_SEQLEN = {
 # than the sections serve (GROUP x first > FUSED_SECTION_ROWS) starts at FUSED_DQ_GRID_FIRST's length
 # instead, on the 2-d grid, as before the sections (seventeenth / eighteenth sessions: llama causal
 # 1.02x the split's time at 2048, 0.90x at 4096; without a mask 0.94x at 2048).
-FUSED_DQ_MIN_SEQLEN = {128: (1024, 2048)}
+# D=64 without a mask from 2048 (twenty-ninth session, bwd_flags.py, the backward's kernels, sections
+# at every group: D=64's row of FUSED_SECTION_ROWS): fa (MHA, 32 heads) 1.00x at 1024, 1.04-1.06x at
+# 2048, 1.05-1.07x at 4096, 1.07-1.08x at 8192; llama (GQA 32 / 8) 0.98x at 1024, 1.02-1.04x at 2048,
+# 1.04x at 4096, 1.05x at 8192; GQA 8 (fa, 4 kv heads) 1.02x at 2048, 1.03x at 4096. Not with a mask
+# (0.82-0.92x at 2048, twenty-eighth session).
+FUSED_DQ_MIN_SEQLEN = {128: (1024, 2048), 64: (2048, None)}
 FUSED_DQ_GRID_FIRST = {128: (2048, 4096)}
 # The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each
 # (bwd_sm90.section_order), where a program's steps are few: GROUP x longest <= FUSED_SECTION_ROWS.
@@ -408,9 +413,12 @@ FUSED_DQ_GRID_FIRST = {128: (2048, 4096)}
 # many steps the skew is spread and sections only cost L2 reuse: llama (GROUP 4) 0.96-1.02x at 4096
 # (16384 group rows) and 0.87-0.99x at 8192; at the edge, fa (GROUP 1) 8192 (sections on) 0.99-1.01x
 # without a mask and 1.10x causal.
+# By head dim. D=64 (fused without a mask only) at every length: sections against the 2-d grid
+# 1.04x at llama 4096 (16384 group rows), 1.01x at 8192, 1.00-1.02x at GQA 8 2048 / 4096 (twenty-
+# ninth session).
 # FUSED_SECTION_MIN_HEADS: the section's kv heads are a wave's worth of programs (SMs // key blocks),
 # at least this many (4 and 8 measured alike at fa 8192; 8 best at fa 2048, 16 at llama causal 2048).
-FUSED_SECTION_ROWS = 8192
+FUSED_SECTION_ROWS = {64: math.inf, 128: 8192}
 FUSED_SECTION_MIN_HEADS = 4
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -455,15 +463,18 @@ def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bo
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
     if first is None:
         return False
-    if not fused_sections(group, first):
-        first = max(first, FUSED_DQ_GRID_FIRST[head_dim][masked])
+    if not fused_sections(head_dim, group, first):
+        grid = FUSED_DQ_GRID_FIRST.get(head_dim, (None, None))[masked]
+        if grid is None:
+            return False
+        first = max(first, grid)
     return longest >= first
 
 
-def fused_sections(group: int, longest: int) -> bool:
-    """The ordered fused dQ's programs of a call with ``group`` query heads per kv head and longest
-    side ``longest`` run in sections of kv heads (:data:`FUSED_SECTION_ROWS`)."""
-    return group * longest <= FUSED_SECTION_ROWS
+def fused_sections(head_dim: int, group: int, longest: int) -> bool:
+    """The ordered fused dQ's programs of a call of this head dim with ``group`` query heads per kv
+    head and longest side ``longest`` run in sections of kv heads (:data:`FUSED_SECTION_ROWS`)."""
+    return group * longest <= FUSED_SECTION_ROWS.get(head_dim, 0)
 
 
 def length_breaks() -> set[int]:

@@ -663,7 +663,6 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
     section = configs.getenv("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
-    dq_swizzle = dq_swizzle_bytes()  # (an experiment)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -676,7 +675,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, dq_swizzle,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -754,7 +753,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     lengths=(lo, hi)) if var.varlen else {}
         n_kb = cdiv(Sk, bwd_sm90.block_n(D))
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
-        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk)) if sem is not None else 0
+        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D) if sem is not None else 0
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, **seqs),
@@ -764,7 +763,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
                       DESC_3D=desc_3d,
                       SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
-                      else split_waits, SECTION=sec, DQ_SWIZZLE=dq_swizzle))
+                      else split_waits, SECTION=sec))
 
     dqa = None
     if fused:
@@ -871,22 +870,6 @@ def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int 
     return (GLUON and gluon_serves(q, k, v, var, sm90, "bwd_dkdv", bwd_sm90.TILES, do, varlen=GLUON_VARLEN,
                                       longest=longest)
             and lse.stride(-1) == 1 and dk.stride(-1) == 1 and dv.stride(-1) == 1)
-
-
-def dq_swizzle_bytes() -> int:
-    """TRITONATTN_BWD_DQ_SWIZZLE (an experiment, twenty-eighth session): the swizzle of the fused
-    dQ's fp32 staging tiles in shared memory, 128 bytes (default) or 32. The consumers store
-    their wgmma accumulators there with 8-byte stores, whose half-warps (4 rows x 32 bytes) meet
-    2-way bank conflicts under the 128-byte swizzle (ncu, twenty-seventh session: every excess
-    shared wavefront of the kernel) and none under the 32-byte one, where a 128-byte line holds 4
-    rows of 8 columns; the writer then issues a TMA reduction per 8 columns, not per 32. (64 bytes
-    would keep 2-way conflicts: rows r and r + 2 of a half-warp share banks.)"""
-    value = (configs.getenv("TRITONATTN_BWD_DQ_SWIZZLE") or "").strip()
-    if not value:
-        return 128
-    if value not in ("32", "128"):
-        raise ValueError(f"TRITONATTN_BWD_DQ_SWIZZLE={value!r}: 32 or 128 (bytes)")
-    return int(value)
 
 
 def fused_dq_mode() -> str | None:

@@ -309,8 +309,7 @@ def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale
 
 @gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, dq_stage,
-               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
-               DQ_SWIZZLE: gl.constexpr = 128):
+               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk, in
     _step's LOCKSTEP order) it adds both consumers' staged dQ tiles to the fp32 buffer with TMA
     reductions (rows ``dqa_row0 + g * dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles
@@ -325,7 +324,7 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
     at the same step: the programs of a head are skewed by one addition each, once. Without it,
     the additions land in any order."""
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE, element_bitwidth=32, rank=2)
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, DQ_COLS], layout)
     for t in range(GROUP * n_m):
         g, blk = _step(t, GROUP, lo_blk, n_m, True)
@@ -557,7 +556,7 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
-    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0, DQ_SWIZZLE: gl.constexpr = 128,
+    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
@@ -628,11 +627,11 @@ def _bwd_dkdv_ws_kernel(
         # empty barrier each (without FUSED_DQ the partitions get other buffers in their place, unread)
         ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], layout)
         ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # (DQ_SWIZZLE, an experiment: 128 gives the consumers' 8-byte stores from the wgmma
-        # accumulator 2-way bank conflicts, 32 none, the writer then issuing 4x the TMA reductions)
+        # (the consumers' 8-byte stores from the wgmma accumulator have 2-way bank conflicts under
+        # this 128-byte swizzle; a 32-byte one has none but gives the writer 4x the TMA reductions:
+        # 0.86x, twenty-ninth session)
         dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
-                                             gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE, element_bitwidth=32,
-                                                                  rank=2))
+                                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -679,7 +678,7 @@ def _bwd_dkdv_ws_kernel(
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
                          HEAD_DIM, BLOCK_M, STAGES, True)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
-                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC, DQ_SWIZZLE)),
+                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
         ], [4, 1, 1], [240, 24, 24])
     elif SPLIT_GRADS:
         gl.warp_specialize([
@@ -723,7 +722,8 @@ def _section_program(pid, n_programs, n_kb, SECTION: gl.constexpr):
     return r // heads, sec * SECTION + r % heads
 
 
-def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, group: int, longest: int) -> int:
+def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, group: int, longest: int,
+                  head_dim: int) -> int:
     """The ordered fused dQ's programs in sections of kv heads, key blocks outer inside each, instead
     of a head's key blocks one after the other (twenty-seventh session; the default since the
     twenty-eighth where configs.fused_sections says). Returns SECTION, the kv heads per section (0:
@@ -747,7 +747,7 @@ def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, gro
         raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
     if text.isdigit():
         return min(heads, int(text))
-    if value is None and not configs.fused_sections(group, longest):
+    if value is None and not configs.fused_sections(head_dim, group, longest):
         return 0
     return max(1, min(heads, max(configs.FUSED_SECTION_MIN_HEADS, sm_count(q.device) // n_kb)))
 
