@@ -451,6 +451,11 @@ def test_fused_dq_section_rule(monkeypatch):
     assert order(None, 64, 128, cpu, 1, 8192) == max(floor, 132 // 64)  # the floor
     assert order(None, 16, 3, cpu, 1, 2048) == 3 and order(None, 200, 128, cpu, 1, 100) == floor
     assert order("off", 16, 128, cpu, 1, 2048) == 0 and order("", 16, 128, cpu, 1, 2048) == 0
+    # past the rows but few programs (configs.FUSED_SECTION_WAVES): on (GQA 8, 2 x 2 kv heads at 8192)
+    waves = configs.FUSED_SECTION_WAVES
+    assert order(None, 64, 4, cpu, 8, 8192) == 4 and 64 * 4 <= waves * 132
+    most = waves * 132 // 64  # kv heads at most, with 64 key blocks
+    assert order(None, 64, most, cpu, 8, 8192) > 0 and order(None, 64, most + 1, cpu, 8, 8192) == 0
     # D=64 (its fused dQ without a mask): sections at every group and length
     assert configs.FUSED_SECTION_ROWS[64] == math.inf
     assert bwd.bwd_sm90.section_order(None, 64, 32, cpu, 16, 8192, 64) == max(floor, 132 // 64)
@@ -503,7 +508,9 @@ def test_fused_dq_launches(monkeypatch, env):
         _, grid, args, kwargs = seen[1]
         assert kwargs["FUSED_DQ"] == fused and kwargs["DETERMINISTIC"] == fused, kwargs
         # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
-        assert (kwargs["SECTION"] > 0) == (fused and configs.fused_sections(128, 8 // Hkv, S)), (causal, S, Hkv, kwargs)
+        n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # (sections: few steps, or few programs on the 4 "SMs" here)
+        sections_on = configs.fused_sections(128, 8 // Hkv, S, n_kb * 2 * Hkv, bwd.bwd_sm90.sm_count(q.device))
+        assert (kwargs["SECTION"] > 0) == (fused and sections_on), (causal, S, Hkv, kwargs)
         assert len(grid) == (1 if kwargs["SECTION"] else 2)
         if fused:
             dqa, rows, batch_rows, head_rows, sem, sem_batch, sem_head = args[-7:]
@@ -667,7 +674,8 @@ def test_dkdv_launch_by_head_dim(monkeypatch, D, env):
     n_kb = -(-S // (64 if D == 256 else 128))
     # (the ordered fused dQ in sections of kv heads where configs.fused_sections says: a 1-d grid)
     sec = kwargs["SECTION"]
-    assert (sec > 0) == (kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and configs.fused_sections(D, 4, S)), kwargs
+    sections_on = configs.fused_sections(D, 4, S, n_kb * 2 * 2, 4)  # (4 "SMs" on the CPU)
+    assert (sec > 0) == (kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] and sections_on), kwargs
     assert grid == ((n_kb * 2 * 2,) if sec else (n_kb, 2 * 2)), grid
     assert bwd.bwd_sm90.block_n(D) == (64 if D == 256 else 128)
     assert kwargs["SPLIT_DIAG"] == (D == 64) and kwargs["BLOCK_M"] == bwd.bwd_sm90.TILES[D][0], kwargs

@@ -419,6 +419,15 @@ FUSED_DQ_GRID_FIRST = {128: (2048, 4096)}
 # FUSED_SECTION_MIN_HEADS: the section's kv heads are a wave's worth of programs (SMs // key blocks),
 # at least this many (4 and 8 measured alike at fa 8192; 8 best at fa 2048, 16 at llama causal 2048).
 FUSED_SECTION_ROWS = {64: math.inf, 128: 8192}
+# Also where the launch has at most this many waves of programs (key blocks x batch x kv heads <=
+# FUSED_SECTION_WAVES x SMs), whatever the steps (twenty-ninth session, bwd_flags.py --group, D=128
+# causal, sections against the default): GQA 4 (fa shape, 512 programs) 1.08x at 4096 and 8192; GQA 8
+# (256 programs) 1.09-1.10x at 2048 (against the split), 1.12x at 4096, 1.22x at 8192; without a mask
+# GQA 8 1.01x at 2048 / 4096. Not past it: llama (GQA 4, B=4 x 8 kv heads: 1024 / 2048 programs)
+# 0.97x at 4096 / 8192 causal, 0.98-0.99x at 8192 without a mask (twenty-eighth session). The
+# launch's size is not known to fused_dq_serves (length classes), so this changes the grid of a fused
+# call, not the length it fuses from.
+FUSED_SECTION_WAVES = 4
 FUSED_SECTION_MIN_HEADS = 4
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -471,10 +480,12 @@ def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bo
     return longest >= first
 
 
-def fused_sections(head_dim: int, group: int, longest: int) -> bool:
+def fused_sections(head_dim: int, group: int, longest: int, programs: float = math.inf, sms: int = 0) -> bool:
     """The ordered fused dQ's programs of a call of this head dim with ``group`` query heads per kv
-    head and longest side ``longest`` run in sections of kv heads (:data:`FUSED_SECTION_ROWS`)."""
-    return group * longest <= FUSED_SECTION_ROWS.get(head_dim, 0)
+    head and longest side ``longest`` run in sections of kv heads: few steps per program
+    (:data:`FUSED_SECTION_ROWS`), or, where the launch is known (``programs`` of it on ``sms``
+    SMs), few programs (:data:`FUSED_SECTION_WAVES`)."""
+    return group * longest <= FUSED_SECTION_ROWS.get(head_dim, 0) or programs <= FUSED_SECTION_WAVES * sms
 
 
 def length_breaks() -> set[int]:

@@ -747,7 +747,7 @@ def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, gro
         raise ValueError(f"TRITONATTN_BWD_FUSED_SECTION={value!r}: a number of kv heads per section, 'auto' or 0")
     if text.isdigit():
         return min(heads, int(text))
-    if value is None and not configs.fused_sections(head_dim, group, longest):
+    if value is None and not configs.fused_sections(head_dim, group, longest, n_kb * heads, sm_count(q.device)):
         return 0
     return max(1, min(heads, max(configs.FUSED_SECTION_MIN_HEADS, sm_count(q.device) // n_kb)))
 
