@@ -75,6 +75,26 @@ def main() -> int:
                                                                                enable_gqa=True),
         "torch SDPA flash fwd+bwd (peer)": sdpa_fwd_bwd,
     }
+    class _Floor(torch.autograd.Function):
+        """The autograd engine's floor with a Python backward on CUDA tensors: one copy forward, the
+        gradient passed through backward (no kernel)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def floor_fwd_bwd():
+        torch.autograd.grad(_Floor.apply(qg), (qg,), dout)
+
+    def clone_fwd_bwd():  # the same without a Python backward (torch's own CloneBackward)
+        torch.autograd.grad(qg.clone(), (qg,), dout)
+
+    cases["autograd floor: Function (clone, Python backward) fwd+bwd"] = floor_fwd_bwd
+    cases["autograd floor: clone fwd+bwd (C++ backward)"] = clone_fwd_bwd
     from tritonattn.interface import _check_options
     from tritonattn.kernels.bwd import attention_backward
     from tritonattn.kernels.fwd import attention_forward
@@ -145,6 +165,26 @@ def main() -> int:
     for name in cases:
         cells = [f"{statistics.median(samples[name, st]):.1f}" if (name, st) in samples else "-" for st in settings]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    # the backward launcher's own time inside the engine's device thread (cProfile below sees the
+    # main thread only): wall time of ops.attention_backward during fwd+bwd calls
+    from tritonattn import ops
+
+    inner, real_bwd = [], ops.attention_backward
+
+    def timed_bwd(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_bwd(*args, **kwargs)
+        finally:
+            inner.append(time.perf_counter() - t0)
+
+    ops.attention_backward = timed_bwd
+    try:
+        whole = statistics.median(per_call_us(fwd_bwd, n=200) for _ in range(5))
+    finally:
+        ops.attention_backward = real_bwd
+    print(f"\nfwd+bwd {whole:.1f} us per call; attention_backward inside the engine's thread: median "
+          f"{statistics.median(inner) * 1e6:.1f} us of {len(inner)} calls")
     import triton
 
     hook = triton.knobs.runtime.launch_enter_hook
@@ -162,6 +202,25 @@ def main() -> int:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
             f.write(f"## {name} (200 calls)\n{s.getvalue()}\n")
+        # the backward launcher inside the engine's device thread (the profile above sees the main thread)
+        prof = cProfile.Profile()
+
+        def profiled_bwd(*args, **kwargs):
+            prof.enable()
+            try:
+                return real_bwd(*args, **kwargs)
+            finally:
+                prof.disable()
+
+        ops.attention_backward = profiled_bwd
+        try:
+            for _ in range(200):
+                fwd_bwd()
+        finally:
+            ops.attention_backward = real_bwd
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        f.write(f"## attention_backward in the engine's thread, flash_attn_func fwd+bwd (200 calls)\n{s.getvalue()}\n")
     return 0
 
 

@@ -568,6 +568,60 @@ def test_fused_dq_launches_d64(monkeypatch):
         assert kwargs["SPLIT_WAITS"] == (not fused)  # (configs.BWD_SPLIT_WAITS: the split dK/dV kernel only)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_fused_dq_masked_waves(monkeypatch, varlen):
+    """configs.FUSED_DQ_MASKED_WAVES: a causal D=128 call whose group has too many steps for sections
+    at the masked fused length (FUSED_DQ_MIN_SEQLEN) takes the fused dQ from that length anyway where
+    its Gluon dK/dV launch (key blocks x batch x kv heads) has one to FUSED_SECTION_WAVES waves of
+    programs on the device's SMs, in sections; under one wave, past the waves, or with the switch
+    off, the split kernels until FUSED_DQ_GRID_FIRST's length. Packed sequences: the launch of the
+    longest (max_seqlen_k's key blocks x sequences x kv heads, launch_gluon's grid), so every length
+    class of one call sees the same launch: the long sequence's class fused, the short one's split."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
+    masked = configs.FUSED_DQ_MIN_SEQLEN[128][1]
+    group = 8  # (too many steps for sections at the masked length: the rule applies)
+    assert not configs.fused_sections(128, group, masked) and configs.FUSED_DQ_GRID_FIRST[128][1] > masked
+    S = masked + 5  # 17 key blocks x 2 sequences x 1 kv head: 34 programs
+    programs = -(-S // bwd.bwd_sm90.block_n(128)) * 2
+    waves = configs.FUSED_SECTION_WAVES
+    for sms, switch, fused in ((programs, True, True), (-(-programs // waves), True, True),
+                               (programs + 1, True, False), (programs // waves - 1, True, False),
+                               (programs, False, False)):
+        monkeypatch.setattr(configs, "FUSED_DQ_MASKED_WAVES", switch)
+        monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device, sms=sms: sms)
+        if varlen:  # a long sequence and a short one (under every fused length: the split kernels' class)
+            lens = torch.tensor([S, 300])
+            cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+            total = int(lens.sum())
+            q, k, v = (torch.empty(total, h, 128, dtype=torch.float16) for h in (8, 1, 1))
+            var = Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=S, max_seqlen_k=S)
+            lse = torch.empty(8, total)
+        else:
+            q, k, v = qkv(Sq=S, Sk=S, Hkv=1)
+            var = Variants(softmax_scale=SCALE, win_right=0)
+            lse = torch.empty(2, 8, S)
+        do, out = torch.empty_like(q), torch.empty_like(q)
+        plan.clear()
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, var)
+        names = [name for name, *_ in seen]
+        dkdv = [(grid, kwargs) for name, grid, kwargs in seen if name == "_bwd_dkdv_ws_kernel"]
+        assert any(kw["FUSED_DQ"] for _, kw in dkdv) == fused, (sms, switch, names)
+        if not varlen:
+            assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"] if fused
+                             else ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (sms, switch, names)
+        for grid, kw in dkdv:
+            assert kw["DETERMINISTIC"] == kw["FUSED_DQ"]
+            assert (kw["SECTION"] > 0) == kw["FUSED_DQ"] and len(grid) == (1 if kw["FUSED_DQ"] else 2), (sms, kw)
+
+
 def check_dq_convert(device, packed: bool, dtype) -> None:
     """The fused dQ's float32 buffer (heads before rows) into dq through bwd._convert_dq: bitwise the
     transposing torch copy it replaces, into a contiguous dq and into a strided view (a (B, H, S, D)

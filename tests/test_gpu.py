@@ -197,6 +197,7 @@ GLUON_CASES = [
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward from 1024, without a mask and with one
     (2, 777, 700, 8, 2, 128, False, BF16),  # the Gluon dK/dV kernel without the fused dQ (512-1023, no mask)
     (1, 2100, 2000, 16, 2, 128, True, BF16),  # causal, 8 query heads per kv head: split dQ until 4096
+    (9, 2100, 2000, 16, 2, 128, True, BF16),  # ... but fused from 2048 where its launch has 1-4 waves (288 programs)
     (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
     (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
@@ -245,7 +246,9 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     gluon_bwd = max(Sq, Sk) >= configs.GLUON_MIN_SEQLEN["bwd_dkdv"].get(D, (math.inf,) * 2)[causal]
     assert ("_bwd_dkdv_ws_kernel" in names) == gluon_bwd and ("_bwd_dkdv_kernel" in names) != gluon_bwd, names
     # the fused dQ (its buffer converted into dq) exactly where configs.fused_dq_serves routes it
-    fused = gluon_bwd and configs.fused_dq_serves(D, causal, max(Sq, Sk), Hq // Hkv)
+    programs = -(-Sk // bwd.bwd_sm90.block_n(D)) * B * Hkv  # (the Gluon dK/dV launch: FUSED_DQ_MASKED_WAVES)
+    fused = gluon_bwd and configs.fused_dq_serves(D, causal, max(Sq, Sk), Hq // Hkv, programs,
+                                                  launch.sm_count(q.device))
     assert ("_bwd_dq_convert_kernel" in names) == fused and ("_bwd_dq_kernel" in names) != fused, names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)
     again, lse2, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

@@ -4,6 +4,7 @@ so a call on tensors of another device (a model spread over GPUs in one process,
 CUDA device calls replaced (no GPU needed); test_gpu.py runs it for real where two GPUs are visible."""
 
 import contextlib
+import functools
 import math
 from types import SimpleNamespace
 
@@ -144,6 +145,16 @@ def test_length_breaks():
                 assert all(configs.fused_dq_serves(head_dim, mask, n, group) for n in range(first, 2**15, 61))
                 # the table's first length where sections serve it, else the 2-d grid's
                 assert first == (table if sections else max(table, grid)), (head_dim, group, mask)
+                # a launch of one to FUSED_SECTION_WAVES waves (masked: FUSED_DQ_MASKED_WAVES) takes the
+                # table's length; one under a wave or past the waves the group's; monotone for each
+                waves = configs.FUSED_SECTION_WAVES
+                for programs, few in ((132, True), (waves * 132, True), (131, False), (waves * 132 + 1, False)):
+                    serves = functools.partial(configs.fused_dq_serves, head_dim, mask, group=group,
+                                               programs=programs, sms=132)
+                    first_here = next(n for n in range(1, 2**16) if serves(n))
+                    assert all(serves(n) for n in range(first_here, 2**15, 61)), (head_dim, group, mask, programs)
+                    assert first_here == (table if few and mask and configs.FUSED_DQ_MASKED_WAVES else first), \
+                        (head_dim, group, mask, programs)
 
 
 def test_length_classes_off(monkeypatch):

@@ -424,10 +424,17 @@ FUSED_SECTION_ROWS = {64: math.inf, 128: 8192}
 # causal, sections against the default): GQA 4 (fa shape, 512 programs) 1.08x at 4096 and 8192; GQA 8
 # (256 programs) 1.09-1.10x at 2048 (against the split), 1.12x at 4096, 1.22x at 8192; without a mask
 # GQA 8 1.01x at 2048 / 4096. Not past it: llama (GQA 4, B=4 x 8 kv heads: 1024 / 2048 programs)
-# 0.97x at 4096 / 8192 causal, 0.98-0.99x at 8192 without a mask (twenty-eighth session). The
-# launch's size is not known to fused_dq_serves (length classes), so this changes the grid of a fused
-# call, not the length it fuses from.
+# 0.97x at 4096 / 8192 causal, 0.98-0.99x at 8192 without a mask (twenty-eighth session). This
+# changes the grid of a fused call; the length it fuses from changes with the launch only where
+# FUSED_DQ_MASKED_WAVES says.
 FUSED_SECTION_WAVES = 4
+# With a mask, the fused dQ also from FUSED_DQ_MIN_SEQLEN's length (not FUSED_DQ_GRID_FIRST's) where
+# its launch has one to FUSED_SECTION_WAVES waves of programs, which run in sections then
+# (thirtieth session): GQA 8 causal at 2048 (fa shape, 256 programs on 132 SMs) measured 1.098x the
+# split kernels with sections (twenty-ninth session, bwd-flags-g88-51cb319.md). Under one wave
+# (GQA 16 there, 128 programs) the split kernels stay: the fused dQ measured 0.93x at 2048. Not
+# without a mask: GROUP > 8 at 1024-2047 is not measured.
+FUSED_DQ_MASKED_WAVES = True
 FUSED_SECTION_MIN_HEADS = 4
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -463,16 +470,21 @@ def _short_wide(q: torch.Tensor, causal: bool, seqlen: int) -> TileConfig | None
     return _SHORT_WIDE_FWD.get(padded_head_dim(q.shape[-1])) if tiles >= WIDE_PROGRAMS else None
 
 
-def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int) -> bool:
+def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int, programs: float = math.inf,
+                    sms: int = 0) -> bool:
     """The Gluon dK/dV kernel of a call (of this head dim, with a causal mask or a window's right edge
     or not, whose longest side is ``longest``, with ``group`` query heads per kv head) computes dQ
     too: from :data:`FUSED_DQ_MIN_SEQLEN`'s length, or from :data:`FUSED_DQ_GRID_FIRST`'s where the
-    group's programs at that length would have too many steps for sections (fused_sections).
-    Monotone in ``longest`` for every group (the first length depends on the group only)."""
+    group's programs at that length would have too many steps for sections (fused_sections), unless
+    the call has a mask and its launch (``programs`` dK/dV programs on ``sms`` SMs, where the
+    launcher knows them) has one to :data:`FUSED_SECTION_WAVES` waves (:data:`FUSED_DQ_MASKED_WAVES`).
+    Monotone in ``longest`` for every group and launch (the first length depends on those only;
+    a varlen call's launch is the same for all its length classes)."""
     first = FUSED_DQ_MIN_SEQLEN.get(head_dim, (None, None))[masked]
     if first is None:
         return False
-    if not fused_sections(head_dim, group, first):
+    few = masked and FUSED_DQ_MASKED_WAVES and sms <= programs <= FUSED_SECTION_WAVES * sms
+    if not (few or fused_sections(head_dim, group, first)):
         grid = FUSED_DQ_GRID_FIRST.get(head_dim, (None, None))[masked]
         if grid is None:
             return False

@@ -708,6 +708,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         """The dQ tile of a dense call whose longest side is ``longest``."""
         return configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=longest)
 
+    # the Gluon dK/dV launch's programs (launch_gluon's grid; varlen: of the longest sequence, the same
+    # for every length class, so the route stays monotone in the length)
+    dkdv_programs = cdiv(Sk, bwd_sm90.block_n(D)) * B * Hkv
+
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
@@ -715,7 +719,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                 if not atomic_dq:
                     return GLUON_ROUTE
             elif atomic_dq or fused_mode == "all" or (
-                    fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv)):
+                    fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv,
+                                                           dkdv_programs, bwd_sm90.sm_count(q.device))):
                 return GLUON_FUSED_ROUTE
             else:
                 return GLUON_ROUTE
