@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
                  s=256, b=2, fused_dq=False, desc_3d=False, split_waits=None, section=None,
-                 expand_kv=False, fwd_only=False):
+                 expand_kv=False, fwd_only=False, kv_split=None):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -197,6 +197,8 @@ def main(argv=None) -> int:
         os.environ["TRITONATTN_BWD_DESC_3D"] = "1" if desc_3d else "0"
         if section is not None:
             os.environ["TRITONATTN_BWD_FUSED_SECTION"] = section
+        if kv_split is not None:  # the Gluon dK/dV kernel's KV_SPLIT (configs.kv_split) forced
+            os.environ["TRITONATTN_BWD_KV_SPLIT"] = kv_split
         if split_waits is None:  # the library's default by head dim (configs.BWD_SPLIT_WAITS)
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
         else:
@@ -210,6 +212,7 @@ def main(argv=None) -> int:
             os.environ.pop("TRITONATTN_BWD_DESC_3D")
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
             os.environ.pop("TRITONATTN_BWD_FUSED_SECTION", None)
+            os.environ.pop("TRITONATTN_BWD_KV_SPLIT", None)
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -293,6 +296,10 @@ def main(argv=None) -> int:
                                                                                split_waits=True)),
                 (f"gluon-bwd-no-split-waits-causal-D64-{dt}", 64, dtypes[dt], dict(base),
                  dict(s=8192, gluon=True, split_waits=False)),
+                # KV_SPLIT (configs.kv_split: under one wave of programs; forced here): a kv head's query heads
+                # over two programs, fp32 partials of dK / dV, then their sum kernel; D=64 / 128 / 256
+                *((f"gluon-kv-split-causal-D{d}-{dt}", d, dtypes[dt], dict(base),
+                   dict(s=8192 if d == 64 else 2048, gluon=True, kv_split="2")) for d in (64, 128, 256)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed

@@ -622,6 +622,112 @@ def test_fused_dq_masked_waves(monkeypatch, varlen):
             assert (kw["SECTION"] > 0) == kw["FUSED_DQ"] and len(grid) == (1 if kw["FUSED_DQ"] else 2), (sms, kw)
 
 
+def test_kv_split_rule():
+    """configs.kv_split: 1 from one wave of programs up; under it the largest power of two dividing the
+    group that keeps the launch within a wave (no mask) or KV_SPLIT_WAVES[True] waves (causal)."""
+    waves = configs.KV_SPLIT_WAVES[True]
+    assert configs.kv_split(True, 16, 132, 132) == 1 and configs.kv_split(False, 16, 500, 132) == 1
+    assert configs.kv_split(False, 16, 128, 132) == 1  # (two would make 256 > 132)
+    assert configs.kv_split(False, 16, 16, 132) == 8  # 128 programs
+    assert configs.kv_split(True, 16, 128, 132) == (4 if waves == 4 else configs.kv_split(True, 16, 128, 132))
+    assert configs.kv_split(True, 12, 16, 132) == 4  # (12: at most 4, its largest power-of-two divisor)
+    assert configs.kv_split(True, 1, 16, 132) == 1 and configs.kv_split(True, 3, 16, 132) == 1
+    for group in (1, 2, 4, 6, 8, 16, 32):
+        for programs in (1, 16, 100, 131):
+            for causal in (False, True):
+                n = configs.kv_split(causal, group, programs, 132)
+                assert group % n == 0 and n & (n - 1) == 0 and (n == 1 or programs * n <= waves * 132)
+    # the environment's override: the largest power of two up to N dividing the group; bad values named
+    assert bwd._kv_split("3", True, 16, 128, 132) == 2 and bwd._kv_split("8", False, 12, 500, 132) == 4
+    assert bwd._kv_split("1", True, 16, 16, 132) == 1
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(ValueError, match="TRITONATTN_BWD_KV_SPLIT"):
+            bwd._kv_split(bad, True, 16, 16, 132)
+
+
+@pytest.mark.parametrize("env", [None, "1", "2"], ids=["default", "off", "forced-2"])
+def test_kv_split_launch(monkeypatch, env):
+    """A dense causal call whose Gluon dK/dV launch (without the fused dQ) is under one wave of
+    programs: its kv heads' query heads split over configs.kv_split programs (KV_SPLIT, the virtual
+    heads' count and group in the arguments, fp32 partials of Hkv x split heads), then one sum kernel
+    into dk / dv (a strided view here: a packed dkv's), in that order; TRITONATTN_BWD_KV_SPLIT forces
+    the split (1: none). Packed calls never split (their length classes write dk / dv in parts)."""
+    from tritonattn.kernels import launch, plan
+
+    if env is not None:
+        monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", env)
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # (the split route: the Gluon kernel without dQ)
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 32)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+    B, S, Hq, Hkv = 1, 2048 + 7, 16, 1
+    q, k, v = qkv(B=B, Sq=S, Sk=S, Hq=Hq, Hkv=Hkv)
+    do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(B, Hq, S)
+    n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # 17 programs on 32 "SMs": under a wave
+    split = {None: configs.kv_split(True, Hq // Hkv, n_kb * B * Hkv, 32), "1": 1, "2": 2}[env]
+    assert env is not None or split > 1
+    dkv = torch.empty(B, S, 2, Hkv, 128, dtype=q.dtype)
+    plan.clear()
+    bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0),
+                           dk=dkv.select(2, 0), dv=dkv.select(2, 1))
+    names = [name for name, *_ in seen]
+    assert names == ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"] + (["_bwd_kv_sum_kernel"] if split > 1 else []), names
+    _, grid, args, kwargs = seen[1]
+    assert kwargs.get("KV_SPLIT", 1) == split and not kwargs["FUSED_DQ"]
+    assert grid == (n_kb, B * Hkv * split)
+    gk, gv = args[6], args[7]
+    # (Hkv, GROUP: the virtual heads', after 12 tensors / lengths, 18 strides and lse's 2: launch_args)
+    assert args[32:34] == (Hkv * split, Hq // (Hkv * split)), args[32:34]
+    if split > 1:
+        assert gk.dtype == gv.dtype == torch.float32 and gk.shape == (B, S, Hkv * split, 128) and gk is not gv
+        _, sgrid, sargs, skw = seen[2]
+        assert sargs[0] is gk and sargs[1] is gv and sargs[2].data_ptr() == dkv.data_ptr()
+        assert sargs[3].data_ptr() == dkv.select(2, 1).data_ptr() and skw["SPLIT"] == split
+        assert sgrid == (-(-S // skw["BLOCK_N"]), B * Hkv)
+    else:
+        assert gk.data_ptr() == dkv.data_ptr()
+    # packed sequences: no split whatever the launch
+    del seen[:]
+    plan.clear()
+    cu = torch.tensor([0, S], dtype=torch.int32)
+    qp, kp, vp = q[0], k[0], v[0]
+    bwd.attention_backward(torch.empty_like(qp), qp, kp, vp, torch.empty_like(qp), torch.empty(Hq, S),
+                           Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=S, max_seqlen_k=S))
+    assert "_bwd_kv_sum_kernel" not in [name for name, *_ in seen]
+    assert all(kw.get("KV_SPLIT", 1) == 1 for name, _, _, kw in seen if name == "_bwd_dkdv_ws_kernel")
+
+
+def check_kv_sum(device, dtype) -> None:
+    """bwd._bwd_kv_sum_kernel: dk / dv = the sums of their fp32 partials' virtual heads in order
+    (bitwise torch's left-to-right sum cast to the dtype), into strided views (a packed dkv's), rows
+    past a block (77 of 64-row blocks), a head dim that is not a power of two (40: masked columns)."""
+    from tritonattn.kernels import launch
+
+    torch.manual_seed(0)
+    B, Sk, Hkv, split, D = 2, 77, 3, 4, 40
+    pk, pv = (torch.randn(B, Sk, Hkv * split, D, device=device) for _ in range(2))
+    dkv = torch.full((B, Sk, 2, Hkv, D), float("nan"), dtype=dtype, device=device)
+    dk, dv = dkv.select(2, 0), dkv.select(2, 1)
+    launch.launch(bwd._bwd_kv_sum_kernel, (-(-Sk // 64), B * Hkv), (
+        pk, pv, dk, dv, *pk.stride()[:3], *dk.stride(), *dv.stride(), Hkv, Sk,
+    ), dict(SPLIT=split, HEAD_DIM=D, BLOCK_D=64, BLOCK_N=64, num_warps=4))
+    for got, p in ((dk, pk), (dv, pv)):
+        parts = p.view(B, Sk, Hkv, split, D)
+        want = parts[:, :, :, 0]
+        for i in range(1, split):
+            want = want + parts[:, :, :, i]
+        assert torch.equal(got, want.to(dtype)), (got.float() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+def test_kv_sum_kernel(dtype):
+    check_kv_sum("cpu", dtype)
+
+
 def check_dq_convert(device, packed: bool, dtype) -> None:
     """The fused dQ's float32 buffer (heads before rows) into dq through bwd._convert_dq: bitwise the
     transposing torch copy it replaces, into a contiguous dq and into a strided view (a (B, H, S, D)

@@ -20,6 +20,7 @@ from conftest import (
 from tritonattn import (
     configs,
     flash_attn_func,
+    flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     scaled_dot_product_attention,
@@ -1054,6 +1055,45 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
         assert sec1 == min(int(section), B * Hkv), grids
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_kv_split_on_gpu(D, causal, monkeypatch, poison):
+    """configs.kv_split (bwd_sm90 KV_SPLIT): a call whose Gluon dK/dV launch is under one wave (one
+    sequence, 2 kv heads) splits each kv head's 8 query heads over programs writing fp32 partials,
+    summed by _bwd_kv_sum_kernel: within the reference's tolerance, bitwise the same on a rerun, and
+    close to the unsplit kernel's (TRITONATTN_BWD_KV_SPLIT=1); a packed dk / dv (kv-packed call)."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # (the Gluon dK/dV kernel without the fused dQ)
+    S = max(configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][causal], 600) + 37
+    torch.manual_seed(S + D)
+    q, k, v = random_qkv(1, S, S - 5, 16, 2, D, BF16, DEVICE)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    runs = {}
+    for env in (None, "1"):
+        set_env(monkeypatch, "TRITONATTN_BWD_KV_SPLIT", env)
+        names = _launched(monkeypatch)
+        runs[env] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert ("_bwd_dkdv_ws_kernel" in names) and ("_bwd_kv_sum_kernel" in names) == (env is None), names
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(runs[env], again, strict=True):
+            assert torch.equal(a, b)
+    check_against_reference(q, k, v, out, lse, runs[None], dout, causal)
+    for a, b in zip(runs[None][1:], runs["1"][1:], strict=True):  # dK, dV: fp32 sums against one program's
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(runs[None][0], runs["1"][0])  # (dQ: the same dQ kernel)
+    # a kv-packed call: dk / dv strided views of one gradient, the sums written into them
+    set_env(monkeypatch, "TRITONATTN_BWD_KV_SPLIT", None)
+    kv = torch.stack((k, v), dim=2).detach().requires_grad_()
+    qd = q.detach().requires_grad_()
+    out2, lse2, _ = flash_attn_kvpacked_func(qd, kv, causal=causal, return_attn_probs=True)
+    names = _launched(monkeypatch)
+    dq2, dkv = torch.autograd.grad(out2, (qd, kv), dout)
+    assert "_bwd_kv_sum_kernel" in names, names
+    check_against_reference(q, k, v, out2, lse2, (dq2, dkv[:, :, 0], dkv[:, :, 1]), dout, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -500,6 +500,27 @@ def fused_sections(head_dim: int, group: int, longest: int, programs: float = ma
     return group * longest <= FUSED_SECTION_ROWS.get(head_dim, 0) or programs <= FUSED_SECTION_WAVES * sms
 
 
+# The Gluon dK/dV kernel without the fused dQ, on a dense call whose launch (key blocks x batch x kv
+# heads) is under one wave of programs: each kv head's query heads split over KV_SPLIT programs that
+# write partial dK / dV in fp32, summed after in a fixed order (bwd_sm90 KV_SPLIT; deterministic).
+# Under one wave the SMs idle, and with a causal mask the programs of the first key blocks, which see
+# every query block, set the time (GQA 16 causal at the fa shape: 128 programs, 0.62-0.72x cuDNN).
+# The split: the largest power of two dividing the group that keeps the launch within
+# KV_SPLIT_WAVES[causal] waves (causal: more programs than SMs, so that the short ones fill in).
+KV_SPLIT_WAVES = (1, 4)
+
+
+def kv_split(causal: bool, group: int, programs: int, sms: int) -> int:
+    """How many programs share each kv head's query heads in the Gluon dK/dV kernel (1: none) for a
+    dense call with ``group`` query heads per kv head whose launch has ``programs`` programs on
+    ``sms`` SMs (:data:`KV_SPLIT_WAVES`)."""
+    split = 1
+    if programs < sms:
+        while group % (2 * split) == 0 and programs * 2 * split <= KV_SPLIT_WAVES[causal] * sms:
+            split *= 2
+    return split
+
+
 def length_breaks() -> set[int]:
     """The lengths at which the tile or kernel of a call may change with its longest side
     (launch.length_classes): past SHORT_SEQLEN, the Gluon kernels' first lengths, and the fused dQ's."""

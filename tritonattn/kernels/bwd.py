@@ -146,6 +146,38 @@ def _convert_dq(dqa: torch.Tensor, dq: torch.Tensor, var: Variants, launch_fn) -
 
 
 @triton.jit
+def _bwd_kv_sum_kernel(
+    PK, PV, DK, DV,
+    stride_pb, stride_pn, stride_ph,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    Hkv, Sk,
+    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK / dV (their dtype, any strides) of kv head h = the sum of the SPLIT fp32 partials of its
+    virtual heads h * SPLIT .. h * SPLIT + SPLIT - 1 (bwd_sm90 KV_SPLIT; PK / PV share their
+    strides, unit dim stride), added in that order: the same bits on every run."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    off_b = bh // Hkv
+    off_h = bh % Hkv
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < HEAD_DIM)
+    r = offs_n[:, None].to(tl.int64)
+    p = off_b * stride_pb + off_h * SPLIT * stride_ph + r * stride_pn + offs_d[None, :]
+    dk = tl.load(PK + p, mask=mask, other=0.0)
+    dv = tl.load(PV + p, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLIT):
+        dk += tl.load(PK + p + i * stride_ph, mask=mask, other=0.0)
+        dv += tl.load(PV + p + i * stride_ph, mask=mask, other=0.0)
+    tl.store(DK + off_b * stride_kb + off_h * stride_kh + r * stride_kn + offs_d[None, :] * stride_kd,
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + off_b * stride_vb + off_h * stride_vh + r * stride_vn + offs_d[None, :] * stride_vd,
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,
     p_q, p_do, p_lse, p_delta, stride_qm, stride_dom, p_dqa, stride_dqam,
@@ -663,6 +695,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     desc_3d = configs.env_flag("TRITONATTN_BWD_DESC_3D")  # (experiments: in the plan's key too)
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
     section = configs.getenv("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
+    kv_split_env = configs.getenv("TRITONATTN_BWD_KV_SPLIT")  # (configs.kv_split; N forces N, 1 off)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -675,7 +708,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section,
+               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, kv_split_env,
                # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
@@ -752,23 +785,34 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             HEADS_FIRST=wide,
         ))
 
-    def launch_gluon(lo, hi, dqa=None, sem=None):
+    def launch_gluon(lo, hi, dqa=None, sem=None, split=1):
+        """The Gluon dK/dV kernel on the length class [lo, hi); FUSED_DQ into ``dqa`` (with ``sem``:
+        ordered), or with ``split`` > 1 (KV_SPLIT) into fp32 partials, summed into dk / dv after."""
         block_m, stages = bwd_sm90.TILES[D]
+        gk, gv = dk, dv
+        if split > 1:
+            gk, gv = (b.alloc(torch.empty, (B, Sk, Hkv * split, D), torch.float32, q.device) for _ in range(2))
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
         n_kb = cdiv(Sk, bwd_sm90.block_n(D))
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
         sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D) if sem is not None else 0
-        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv),
-                 bwd_sm90.launch_args(q, k, v, do, lse, delta, dk, dv, var.window_args()[1], var.scale_args()[0],
-                                      var.softmax_scale, dqa=dqa, sem=sem, **seqs),
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv * split),
+                 bwd_sm90.launch_args(q, k, v, do, lse, delta, gk, gv, var.window_args()[1], var.scale_args()[0],
+                                      var.softmax_scale, dqa=dqa, sem=sem, kv_split=split, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                       num_warps=bwd_sm90.NUM_WARPS, maxnreg=bwd_sm90.MAXNREG, IS_VARLEN=var.varlen,
                       FUSED_DQ=dqa is not None, DETERMINISTIC=sem is not None,
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
                       DESC_3D=desc_3d,
                       SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
-                      else split_waits, SECTION=sec))
+                      else split_waits, SECTION=sec, **({"KV_SPLIT": split} if split > 1 else {})))
+        if split > 1:
+            block_d = configs.padded_head_dim(D)
+            rows = max(16, 4096 // block_d)  # (two fp32 tiles of 4096 elements: 64 registers a thread)
+            b.launch(_bwd_kv_sum_kernel, (cdiv(Sk, rows), B * Hkv), (
+                gk, gv, dk, dv, *gk.stride()[:3], *dk.stride(), *dv.stride(), Hkv, Sk,
+            ), dict(SPLIT=split, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=rows, num_warps=4))
 
     dqa = None
     if fused:
@@ -800,7 +844,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         if cfg == GLUON_FUSED_ROUTE:
             continue
         if cfg == GLUON_ROUTE:
-            launch_gluon(lo, hi)
+            launch_gluon(lo, hi, split=1 if var.varlen else _kv_split(kv_split_env, var.causal, Hq // Hkv,
+                                                                       dkdv_programs, bwd_sm90.sm_count(q.device)))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -863,6 +908,24 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
 # S=1024-16384 where one loop was 0.48-0.55x (H200, nineteenth session, benchmarks/NOTES.md). At
 # D=128 (64 rows) it removes no spill (32 -> 32 bytes), so one loop stays there.
 SPLIT_DIAG_ROWS = 128
+
+
+def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int) -> int:
+    """The Gluon dK/dV kernel's KV_SPLIT for a dense call without the fused dQ: configs.kv_split, or
+    TRITONATTN_BWD_KV_SPLIT=N (the largest power of two up to N that divides the group; 1 turns it
+    off)."""
+    if env is None:
+        return configs.kv_split(causal, group, programs, sms)
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer")
+    split = 1
+    while 2 * split <= n and group % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int | None = None) -> bool:

@@ -556,9 +556,14 @@ def _bwd_dkdv_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
-    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0,
+    SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0, KV_SPLIT: gl.constexpr = 1,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    # KV_SPLIT > 1 (bwd.py, configs.kv_split): each real kv head's query heads are split over KV_SPLIT
+    # programs ("virtual" kv heads: Hkv and GROUP here are the virtual ones), which read the same K / V
+    # and write partial dK / dV (fp32) of their heads into DK / DV, which have Hkv virtual heads; the
+    # launcher sums them in a fixed order
+    gl.static_assert(not (FUSED_DQ and KV_SPLIT > 1), "the fused dQ's order is per real kv head")
     # SPLIT_GRADS (head dims from SPLIT_GRADS_FROM): a program owns 64 keys and its two consumers
     # split the work by gradient, each with one 64 x D accumulator (two per consumer would not fit
     # the registers at D=256): _split_consumer_p (S^T, P^T, dV += P^T dO) hands P^T through shared
@@ -650,8 +655,8 @@ def _bwd_dkdv_ws_kernel(
 
     q_base = Q + off_b * stride_qb + q_start * stride_qm
     do_base = DO + off_b * stride_dob + q_start * stride_dom
-    k_base = K + off_b * stride_kb + k_start * stride_kn + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + k_start * stride_vn + off_hk * stride_vh
+    k_base = K + off_b * stride_kb + k_start * stride_kn + (off_hk // KV_SPLIT) * stride_kh
+    v_base = V + off_b * stride_vb + k_start * stride_vn + (off_hk // KV_SPLIT) * stride_vh
     dk_base = DK + off_b * stride_dkb + k_start * stride_dkn + off_hk * stride_dkh
     dv_base = DV + off_b * stride_dvb + k_start * stride_dvn + off_hk * stride_dvh
     lse_base = LSE + off_b * stride_lse_b + q_start
@@ -753,7 +758,8 @@ def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, gro
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,
-                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP), dqa=None, sem=None) -> tuple:
+                cu_seqlens=None, max_seqlens=None, lengths=(0, LENGTH_CAP), dqa=None, sem=None,
+                kv_split: int = 1) -> tuple:
     """q / do (B, Sq, Hq, D), k / v / dk / dv (B, Sk, Hkv, D), unit dim stride; lse / delta (B, Hq, Sq).
     Variable length (the kernel's IS_VARLEN): ``cu_seqlens`` (cu_q, cu_k) int32 (B + 1,),
     ``max_seqlens`` (max_q, max_k); q / do (total_q, Hq, D), k / v / dk / dv (total_k, Hkv, D),
@@ -761,9 +767,12 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float
     side is in [lo, hi) (a length class, launch.length_classes). ``dqa`` (the kernel's FUSED_DQ):
     the contiguous fp32 buffer that dQ (scaled) is added to, (B, Hq, Sq, D), or (Hq, total_q, D)
     packed, zeroed by the caller; ``sem`` (DETERMINISTIC): int32 zeros, ``sem_blocks(q, cu_seqlens)``
-    of them."""
+    of them. ``kv_split`` (the kernel's KV_SPLIT): dk / dv are fp32 partials with kv_split x k's kv heads,
+    (B, Sk, Hkv * kv_split, D), and the kernel gets the virtual heads' count and group."""
     dense = cu_seqlens is None
     hq, hkv = (q.shape[2], k.shape[2]) if dense else (q.shape[1], k.shape[1])
+    assert (hq // hkv) % kv_split == 0 and dk.shape[-2] == dv.shape[-2] == hkv * kv_split, (hq, hkv, kv_split)
+    hkv *= kv_split
     if dqa is None:
         fused = (q, 0, 0, 0, q, 0, 0)
     else:
