@@ -615,8 +615,10 @@ def test_fused_dq_masked_waves(monkeypatch, varlen):
         dkdv = [(grid, kwargs) for name, grid, kwargs in seen if name == "_bwd_dkdv_ws_kernel"]
         assert any(kw["FUSED_DQ"] for _, kw in dkdv) == fused, (sms, switch, names)
         if not varlen:
+            # (the split kernels under one wave: the kv heads' query heads split, configs.kv_split)
+            split = ["_bwd_kv_sum_kernel"] if configs.kv_split(True, group, programs, sms) > 1 else []
             assert names == (["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"] if fused
-                             else ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel"]), (sms, switch, names)
+                             else ["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel", *split]), (sms, switch, names)
         for grid, kw in dkdv:
             assert kw["DETERMINISTIC"] == kw["FUSED_DQ"]
             assert (kw["SECTION"] > 0) == kw["FUSED_DQ"] and len(grid) == (1 if kw["FUSED_DQ"] else 2), (sms, kw)
