@@ -653,7 +653,9 @@ def test_kv_split_launch(monkeypatch, env):
     programs: its kv heads' query heads split over configs.kv_split programs (KV_SPLIT, the virtual
     heads' count and group in the arguments, fp32 partials of Hkv x split heads), then one sum kernel
     into dk / dv (a strided view here: a packed dkv's), in that order; TRITONATTN_BWD_KV_SPLIT forces
-    the split (1: none). Packed calls never split (their length classes write dk / dv in parts)."""
+    the split (1: none). By default only dense calls of two or more sequences split: packed calls never
+    do (their length classes write dk / dv in parts), so neither does one sequence alone (the bits of
+    its packed calls)."""
     from tritonattn.kernels import launch, plan
 
     if env is not None:
@@ -662,14 +664,21 @@ def test_kv_split_launch(monkeypatch, env):
     monkeypatch.setattr(bwd, "GLUON", True)
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
-    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 32)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 64)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
-    B, S, Hq, Hkv = 1, 2048 + 7, 16, 1
+    B, S, Hq, Hkv = 2, 2048 + 7, 16, 1
+    # one sequence alone: no split by default (its packed calls never split), forced by the environment
+    q1, k1, v1 = qkv(B=1, Sq=S, Sk=S, Hq=Hq, Hkv=Hkv)
+    plan.clear()
+    bwd.attention_backward(torch.empty_like(q1), q1, k1, v1, torch.empty_like(q1), torch.empty(1, Hq, S),
+                           Variants(softmax_scale=SCALE, win_right=0))
+    assert ("_bwd_kv_sum_kernel" in [name for name, *_ in seen]) == (env == "2"), seen
+    del seen[:]
     q, k, v = qkv(B=B, Sq=S, Sk=S, Hq=Hq, Hkv=Hkv)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(B, Hq, S)
-    n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # 17 programs on 32 "SMs": under a wave
-    split = {None: configs.kv_split(True, Hq // Hkv, n_kb * B * Hkv, 32), "1": 1, "2": 2}[env]
+    n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # 17 x 2 programs on 64 "SMs": under a wave
+    split = {None: configs.kv_split(True, Hq // Hkv, n_kb * B * Hkv, 64), "1": 1, "2": 2}[env]
     assert env is not None or split > 1
     dkv = torch.empty(B, S, 2, Hkv, 128, dtype=q.dtype)
     plan.clear()

@@ -198,7 +198,7 @@ GLUON_CASES = [
     (4, 1024, 1000, 8, 2, 128, False, BF16),  # the forward from 1024, without a mask and with one
     (2, 777, 700, 8, 2, 128, False, BF16),  # the Gluon dK/dV kernel without the fused dQ (512-1023, no mask)
     (1, 2100, 2000, 16, 2, 128, True, BF16),  # causal, 8 query heads per kv head: split dQ until 4096
-    (9, 2100, 2000, 16, 2, 128, True, BF16),  # ... but fused from 2048 where its launch has 1-4 waves (288 programs)
+    (9, 2100, 2000, 16, 2, 128, True, BF16),  # ... also at 2.2 waves (configs.FUSED_DQ_MASKED_WAVES off)
     (2, 1100, 1024, 8, 2, 128, True, BF16),
     (2, 700, 513, 4, 2, 128, True, BF16),  # causal, rows that see no key; below the dK/dV kernel's length
     (2, 511, 500, 4, 2, 128, True, BF16),  # one short of D=128's causal length: the Triton forward
@@ -1060,8 +1060,8 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_kv_split_on_gpu(D, causal, monkeypatch, poison):
-    """configs.kv_split (bwd_sm90 KV_SPLIT): a call whose Gluon dK/dV launch is under one wave (one
-    sequence, 2 kv heads) splits each kv head's 8 query heads over programs writing fp32 partials,
+    """configs.kv_split (bwd_sm90 KV_SPLIT): a call whose Gluon dK/dV launch is under one wave (two
+    sequences, 2 kv heads) splits each kv head's 8 query heads over programs writing fp32 partials,
     summed by _bwd_kv_sum_kernel: within the reference's tolerance, bitwise the same on a rerun, and
     close to the unsplit kernel's (TRITONATTN_BWD_KV_SPLIT=1); a packed dk / dv (kv-packed call)."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
@@ -1069,7 +1069,7 @@ def test_kv_split_on_gpu(D, causal, monkeypatch, poison):
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")  # (the Gluon dK/dV kernel without the fused dQ)
     S = max(configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][causal], 600) + 37
     torch.manual_seed(S + D)
-    q, k, v = random_qkv(1, S, S - 5, 16, 2, D, BF16, DEVICE)
+    q, k, v = random_qkv(2, S, S - 5, 16, 2, D, BF16, DEVICE)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(out)
     runs = {}

@@ -117,10 +117,12 @@ def test_length_classes():
         length_classes(route, 5000, {1025})
 
 
-def test_length_breaks():
+@pytest.mark.parametrize("masked_waves", [False, True], ids=["default", "masked-waves"])
+def test_length_breaks(monkeypatch, masked_waves):
     """Where a call's tiles may change with its length (configs): past SHORT_SEQLEN, at each Gluon
     kernel's first lengths (not "never", math.inf), and at the fused dQ's, the masked one for every
     group."""
+    monkeypatch.setattr(configs, "FUSED_DQ_MASKED_WAVES", masked_waves)
     breaks = configs.length_breaks()
     assert configs.SHORT_SEQLEN + 1 in breaks and math.inf not in breaks
     for lengths in configs.GLUON_MIN_SEQLEN.values():

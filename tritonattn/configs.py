@@ -433,8 +433,11 @@ FUSED_SECTION_WAVES = 4
 # (thirtieth session): GQA 8 causal at 2048 (fa shape, 256 programs on 132 SMs) measured 1.098x the
 # split kernels with sections (twenty-ninth session, bwd-flags-g88-51cb319.md). Under one wave
 # (GQA 16 there, 128 programs) the split kernels stay: the fused dQ measured 0.93x at 2048. Not
-# without a mask: GROUP > 8 at 1024-2047 is not measured.
-FUSED_DQ_MASKED_WAVES = True
+# without a mask: GROUP > 8 at 1024-2047 is not measured. Off (an experiment): on an H100 the same
+# cell measured 0.93x (thirtieth session, bwd-flags-g8-masked-waves-ad95e14.md), and it routes by
+# the launch's size, so a sequence alone and in a packed call (launched with the others) could take
+# different kernels (packed calls promise their sequences' dense bits).
+FUSED_DQ_MASKED_WAVES = False
 FUSED_SECTION_MIN_HEADS = 4
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
@@ -507,6 +510,8 @@ def fused_sections(head_dim: int, group: int, longest: int, programs: float = ma
 # every query block, set the time (GQA 16 causal at the fa shape: 128 programs, 0.62-0.72x cuDNN).
 # The split: the largest power of two dividing the group that keeps the launch within
 # KV_SPLIT_WAVES[causal] waves (causal: more programs than SMs, so that the short ones fill in).
+# Dense calls of two or more sequences only: packed sequences (length classes) never split, and a
+# sequence alone must give the bits its packed calls give (bwd._kv_split).
 KV_SPLIT_WAVES = (1, 4)
 
 

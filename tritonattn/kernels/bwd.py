@@ -844,8 +844,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         if cfg == GLUON_FUSED_ROUTE:
             continue
         if cfg == GLUON_ROUTE:
+            # (not packed: its length classes write dk / dv in parts; by default not one sequence either,
+            # whose bits packed calls of it promise to give: _kv_split)
             launch_gluon(lo, hi, split=1 if var.varlen else _kv_split(kv_split_env, var.causal, Hq // Hkv,
-                                                                       dkdv_programs, bwd_sm90.sm_count(q.device)))
+                                                                       dkdv_programs, bwd_sm90.sm_count(q.device), B))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -910,12 +912,13 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
 SPLIT_DIAG_ROWS = 128
 
 
-def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int) -> int:
-    """The Gluon dK/dV kernel's KV_SPLIT for a dense call without the fused dQ: configs.kv_split, or
-    TRITONATTN_BWD_KV_SPLIT=N (the largest power of two up to N that divides the group; 1 turns it
-    off)."""
+def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int, batch: int = 2) -> int:
+    """The Gluon dK/dV kernel's KV_SPLIT for a dense call of ``batch`` sequences without the fused dQ:
+    configs.kv_split for two or more sequences (one sequence alone keeps the bits its packed calls
+    give, which never split), or TRITONATTN_BWD_KV_SPLIT=N for any (the largest power of two up to N
+    that divides the group; 1 turns it off)."""
     if env is None:
-        return configs.kv_split(causal, group, programs, sms)
+        return configs.kv_split(causal, group, programs, sms) if batch >= 2 else 1
     try:
         n = int(env)
     except ValueError:
