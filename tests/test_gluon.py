@@ -712,6 +712,36 @@ def test_kv_split_launch(monkeypatch, env):
     assert all(kw.get("KV_SPLIT", 1) == 1 for name, _, _, kw in seen if name == "_bwd_dkdv_ws_kernel")
 
 
+@pytest.mark.parametrize("causal,over_fused", [(True, True), (True, False), (False, True)],
+                         ids=["causal", "causal-fused", "full"])
+def test_kv_split_over_fused(monkeypatch, causal, over_fused):
+    """configs.KV_SPLIT_OVER_FUSED: a causal call the table fuses (GROUP 16 past FUSED_DQ_GRID_FIRST's
+    length) whose launch splits its kv heads (under one wave: 2 sequences x 33 key blocks on 128
+    "SMs") takes the split kernels, KV_SPLIT on the Gluon dK/dV kernel; with the switch off, or without
+    a mask, the fused dQ (no split: the fused dQ's order is per kv head)."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(configs, "KV_SPLIT_OVER_FUSED", over_fused)
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 128)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
+    S = configs.FUSED_DQ_GRID_FIRST[128][1] + 7
+    assert configs.fused_dq_serves(128, causal, S, 16)
+    q, k, v = qkv(B=2, Sq=S, Sk=S, Hq=16, Hkv=1)
+    plan.clear()
+    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(2, 16, S),
+                           Variants(softmax_scale=SCALE, win_right=0 if causal else None))
+    names = [name for name, _ in seen]
+    split = causal and over_fused
+    assert names == (["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel", "_bwd_kv_sum_kernel"] if split else
+                     ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"]), names
+    kw = seen[1][1]
+    assert kw["FUSED_DQ"] != split and kw.get("KV_SPLIT", 1) == (configs.kv_split(True, 16, 66, 128) if split else 1)
+
+
 def check_kv_sum(device, dtype) -> None:
     """bwd._bwd_kv_sum_kernel: dk / dv = the sums of their fp32 partials' virtual heads in order
     (bitwise torch's left-to-right sum cast to the dtype), into strided views (a packed dkv's), rows

@@ -513,6 +513,12 @@ def fused_sections(head_dim: int, group: int, longest: int, programs: float = ma
 # Dense calls of two or more sequences only: packed sequences (length classes) never split, and a
 # sequence alone must give the bits its packed calls give (bwd._kv_split).
 KV_SPLIT_WAVES = (1, 4)
+# With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
+# kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
+# programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
+# causal, fa shape: the split kernels with KV_SPLIT 1.35x / 1.36x the fused dQ at 4096 / 8192, and
+# 1.08x without KV_SPLIT; KV_SPLIT itself 1.19x at 2048, where the split kernels served already).
+KV_SPLIT_OVER_FUSED = True
 
 
 def kv_split(causal: bool, group: int, programs: int, sms: int) -> int:

@@ -744,6 +744,11 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     # the Gluon dK/dV launch's programs (launch_gluon's grid; varlen: of the longest sequence, the same
     # for every length class, so the route stays monotone in the length)
     dkdv_programs = cdiv(Sk, bwd_sm90.block_n(D)) * B * Hkv
+    # the Gluon dK/dV kernel's KV_SPLIT where it runs without the fused dQ (configs.kv_split; not packed:
+    # its length classes write dk / dv in parts; by default not one sequence either, whose bits packed
+    # calls of it promise to give: _kv_split)
+    kv_split = 1 if var.varlen else _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs,
+                                              bwd_sm90.sm_count(q.device), B)
 
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
@@ -753,7 +758,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     return GLUON_ROUTE
             elif atomic_dq or fused_mode == "all" or (
                     fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv,
-                                                           dkdv_programs, bwd_sm90.sm_count(q.device))):
+                                                           dkdv_programs, bwd_sm90.sm_count(q.device))
+                    # with a mask, a launch that splits its kv heads takes the split kernels (configs.KV_SPLIT_WAVES)
+                    and not (var.win_right is not None and kv_split > 1 and configs.KV_SPLIT_OVER_FUSED)):
                 return GLUON_FUSED_ROUTE
             else:
                 return GLUON_ROUTE
@@ -844,10 +851,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         if cfg == GLUON_FUSED_ROUTE:
             continue
         if cfg == GLUON_ROUTE:
-            # (not packed: its length classes write dk / dv in parts; by default not one sequence either,
-            # whose bits packed calls of it promise to give: _kv_split)
-            launch_gluon(lo, hi, split=1 if var.varlen else _kv_split(kv_split_env, var.causal, Hq // Hkv,
-                                                                       dkdv_programs, bwd_sm90.sm_count(q.device), B))
+            launch_gluon(lo, hi, split=kv_split)
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
