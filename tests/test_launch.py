@@ -167,3 +167,34 @@ def test_length_classes_off(monkeypatch):
     monkeypatch.setattr(launch, "LENGTH_CLASSES", False)
     assert length_classes(lambda n: "short" if n <= 1024 else "long", 5000, {1025}) == [(0, LENGTH_CAP, "long")]
     assert length_classes(lambda n: "short" if n <= 1024 else "long", 0, {1025}) == [(0, LENGTH_CAP, "short")]
+
+
+def test_descriptor_scratch_kept_per_stream(monkeypatch):
+    """fwd._scratch (Triton's allocator for in-kernel descriptors): outside graph capture one buffer per
+    (device, stream), reused by the next launch on that stream and grown when a launch needs more;
+    under capture a fresh tensor every time (the graph's pool)."""
+    from tritonattn.kernels import fwd
+
+    made, real_empty = [], torch.empty
+
+    def empty(size, dtype, device):
+        made.append(size)
+        return real_empty(size, dtype=dtype)  # (CPU stand-ins)
+
+    capturing = [False]
+    monkeypatch.setattr(fwd.torch, "empty", empty)
+    monkeypatch.setattr(fwd.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # (CPU builds lack it)
+    monkeypatch.setattr(fwd, "_scratch_bufs", {})
+    a = fwd._scratch(4096, 128, 7)
+    assert fwd._scratch(1000, 128, 7) is a and a.numel() >= 4096  # the same stream: reused
+    b = fwd._scratch(4096, 128, 8)
+    assert b is not a  # another stream: its own
+    big = fwd._scratch(a.numel() + 1, 128, 7)
+    assert big is not a and big.numel() > a.numel() and fwd._scratch(10, 128, 7) is big  # grown, then kept
+    monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    assert fwd._scratch(10, 128, 7) is not big  # the same stream handle on another device
+    n = len(made)
+    capturing[0] = True
+    c, d = fwd._scratch(10, 128, 7), fwd._scratch(10, 128, 7)
+    assert c is not d and len(made) == n + 2 and c.numel() == 10  # under capture: fresh, exact
