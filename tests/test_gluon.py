@@ -631,7 +631,7 @@ def test_kv_split_rule():
     assert configs.kv_split(True, 16, 132, 132) == 1 and configs.kv_split(False, 16, 500, 132) == 1
     assert configs.kv_split(False, 16, 128, 132) == 1  # (two would make 256 > 132)
     assert configs.kv_split(False, 16, 16, 132) == 8  # 128 programs
-    assert configs.kv_split(True, 16, 128, 132) == (4 if waves == 4 else configs.kv_split(True, 16, 128, 132))
+    assert configs.kv_split(True, 16, 128, 132) == max(n for n in (1, 2, 4, 8, 16) if 128 * n <= waves * 132)
     assert configs.kv_split(True, 12, 16, 132) == 4  # (12: at most 4, its largest power-of-two divisor)
     assert configs.kv_split(True, 1, 16, 132) == 1 and configs.kv_split(True, 3, 16, 132) == 1
     for group in (1, 2, 4, 6, 8, 16, 32):
@@ -641,8 +641,9 @@ def test_kv_split_rule():
                 assert group % n == 0 and n & (n - 1) == 0 and (n == 1 or programs * n <= waves * 132)
     # the environment's override: the largest power of two up to N dividing the group; bad values named
     assert bwd._kv_split("3", True, 16, 128, 132) == 2 and bwd._kv_split("8", False, 12, 500, 132) == 4
-    assert bwd._kv_split("1", True, 16, 16, 132) == 1
-    for bad in ("0", "-2", "two"):
+    assert bwd._kv_split("1", True, 16, 16, 132) == 1 and bwd._kv_split("off", True, 16, 16, 132) == 1
+    assert bwd._kv_split("0", True, 16, 16, 132) == 1 and bwd._kv_split("", True, 16, 16, 132, 2) > 1
+    for bad in ("-2", "two"):
         with pytest.raises(ValueError, match="TRITONATTN_BWD_KV_SPLIT"):
             bwd._kv_split(bad, True, 16, 16, 132)
 
@@ -740,6 +741,43 @@ def test_kv_split_over_fused(monkeypatch, causal, over_fused):
                      ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"]), names
     kw = seen[1][1]
     assert kw["FUSED_DQ"] != split and kw.get("KV_SPLIT", 1) == (configs.kv_split(True, 16, 66, 128) if split else 1)
+
+
+def test_backward_without_gluon_module(monkeypatch):
+    """Where Gluon does not import (bwd.bwd_sm90 is None: an older Triton), the backward's launcher
+    still runs (its Triton kernels; no KV_SPLIT or fused dQ arithmetic on the missing module)."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setattr(bwd, "bwd_sm90", None)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append(fn.__name__))
+    q, k, v = qkv(B=2, Sq=300, Sk=300, Hq=8, Hkv=2)
+    plan.clear()
+    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(2, 8, 300),
+                           Variants(softmax_scale=SCALE, win_right=0))
+    assert "_bwd_dq_kernel" in seen and "_bwd_dkdv_kernel" in seen, seen
+
+
+def test_kv_split_forced_within_grid_limit(monkeypatch):
+    """A forced TRITONATTN_BWD_KV_SPLIT halves until batch x kv heads x split fits the grid's y limit
+    (configs.MAX_GRID_YZ; lowered here)."""
+    from tritonattn.kernels import launch, plan
+
+    monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "8")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    monkeypatch.setattr(configs, "MAX_GRID_YZ", 2 * 2 * 2)  # 2 sequences x 2 kv heads: a split of 2 fits
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
+    S = 2048 + 7
+    q, k, v = qkv(B=2, Sq=S, Sk=S, Hq=16, Hkv=2)
+    plan.clear()
+    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(2, 16, S),
+                           Variants(softmax_scale=SCALE, win_right=0))
+    (grid, kw), = [(grid, kw) for name, grid, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+    assert kw["KV_SPLIT"] == 2 and grid[1] == 2 * 2 * 2, (grid, kw)
 
 
 def check_kv_sum(device, dtype) -> None:

@@ -828,6 +828,7 @@ def test_gluon_fused_dq_on_gpu(B, Sq, Sk, Hq, Hkv, D, causal, dtype, determinist
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ" if deterministic else "TRITONATTN_ATOMIC_DQ", "1")
+    monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "1")  # (a split launch would take the split kernels instead)
     # the ordered path wherever the Gluon kernel serves the call (by default only from its own
     # lengths, configs.FUSED_DQ_MIN_SEQLEN: here with a causal mask and shorter calls as well)
     monkeypatch.setitem(configs.FUSED_DQ_MIN_SEQLEN, D, (0, 0))

@@ -195,6 +195,11 @@ def test_descriptor_scratch_kept_per_stream(monkeypatch):
     monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     assert fwd._scratch(10, 128, 7) is not big  # the same stream handle on another device
     n = len(made)
+    huge = fwd._SCRATCH_KEPT + 1  # a large request: fresh each time, not kept
+    kept = fwd._scratch(10, 128, 7)  # (device 1's, kept above)
+    assert fwd._scratch(huge, 128, 7) is not fwd._scratch(huge, 128, 7) and fwd._scratch(10, 128, 7) is kept
+    assert len(made) == n + 2
+    n = len(made)
     capturing[0] = True
     c, d = fwd._scratch(10, 128, 7), fwd._scratch(10, 128, 7)
     assert c is not d and len(made) == n + 2 and c.numel() == 10  # under capture: fresh, exact

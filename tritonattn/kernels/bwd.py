@@ -743,12 +743,17 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
 
     # the Gluon dK/dV launch's programs (launch_gluon's grid; varlen: of the longest sequence, the same
     # for every length class, so the route stays monotone in the length)
-    dkdv_programs = cdiv(Sk, bwd_sm90.block_n(D)) * B * Hkv
     # the Gluon dK/dV kernel's KV_SPLIT where it runs without the fused dQ (configs.kv_split; not packed:
     # its length classes write dk / dv in parts; by default not one sequence either, whose bits packed
-    # calls of it promise to give: _kv_split)
-    kv_split = 1 if var.varlen else _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs,
-                                              bwd_sm90.sm_count(q.device), B)
+    # calls of it promise to give: _kv_split). (bwd_sm90 is None where Gluon does not import.)
+    dkdv_programs, sms, kv_split = 0, 0, 1
+    if sm90 and bwd_sm90 is not None:
+        dkdv_programs = cdiv(Sk, bwd_sm90.block_n(D)) * B * Hkv
+        sms = bwd_sm90.sm_count(q.device)
+        if not var.varlen:
+            kv_split = _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs, sms, B)
+        while kv_split > 1 and B * Hkv * kv_split > configs.MAX_GRID_YZ:  # (a forced split: the grid's y limit)
+            kv_split //= 2
 
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
@@ -758,7 +763,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                     return GLUON_ROUTE
             elif atomic_dq or fused_mode == "all" or (
                     fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv,
-                                                           dkdv_programs, bwd_sm90.sm_count(q.device))
+                                                           dkdv_programs, sms)
                     # with a mask, a launch that splits its kv heads takes the split kernels (configs.KV_SPLIT_WAVES)
                     and not (var.win_right is not None and kv_split > 1 and configs.KV_SPLIT_OVER_FUSED)):
                 return GLUON_FUSED_ROUTE
@@ -920,15 +925,17 @@ def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int
     """The Gluon dK/dV kernel's KV_SPLIT for a dense call of ``batch`` sequences without the fused dQ:
     configs.kv_split for two or more sequences (one sequence alone keeps the bits its packed calls
     give, which never split), or TRITONATTN_BWD_KV_SPLIT=N for any (the largest power of two up to N
-    that divides the group; 1 turns it off)."""
-    if env is None:
+    that divides the group; 1 or 0 / off turns it off; empty: unset)."""
+    if env is None or env.strip() == "":
         return configs.kv_split(causal, group, programs, sms) if batch >= 2 else 1
+    if env.strip().lower() in ("0", "off", "false", "no"):
+        return 1
     try:
         n = int(env)
     except ValueError:
-        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer") from None
+        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer (or 0 / off)") from None
     if n < 1:
-        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer")
+        raise ValueError(f"TRITONATTN_BWD_KV_SPLIT={env!r}: expected a positive integer (or 0 / off)")
     split = 1
     while 2 * split <= n and group % (2 * split) == 0:
         split *= 2

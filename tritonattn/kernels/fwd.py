@@ -320,6 +320,7 @@ def _tma_ok(q, k, v, var: Variants, *more) -> bool:
 
 
 _scratch_bufs: dict = {}
+_SCRATCH_KEPT = 8 << 20  # bytes: a larger request is allocated fresh, not kept
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -330,7 +331,7 @@ def _scratch(size: int, alignment: int, stream):
     the next launch on it may reuse what the last one used (as the caching allocator would hand the
     freed block back). Under capture a fresh tensor, from the graph's pool (a graph may replay on
     another stream than it was captured on)."""
-    if torch.cuda.is_current_stream_capturing():
+    if size > _SCRATCH_KEPT or torch.cuda.is_current_stream_capturing():  # (large grids: their time dwarfs it)
         return torch.empty(size, dtype=torch.int8, device="cuda")
     key = (torch._C._cuda_getDevice(), stream)
     buf = _scratch_bufs.get(key)
