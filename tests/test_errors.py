@@ -154,3 +154,25 @@ def test_double_backward_raises():
     out = flash_attn_func(q, k, v)
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         torch.autograd.grad(out.sum(), (q,), create_graph=True)
+
+
+def test_backward_gets_no_zero_gradients(monkeypatch):
+    """The eager Function does not have autograd make zero gradients (set_materialize_grads(False)):
+    lse's (non-differentiable) arrives as None, not a zeros tensor made and filled every backward, and a
+    backward whose out gradient is None returns no gradients; the real backward still runs and is
+    right (out's gradient, q / k / v gradients of the reference's shape)."""
+    from tritonattn import ops
+
+    seen, real = [], ops.FlashAttnFunction.backward
+
+    def spy(ctx, dout, dlse, dprobs):
+        seen.append((dout is None, dlse, dprobs))
+        return real(ctx, dout, dlse, dprobs)
+
+    monkeypatch.setattr(ops.FlashAttnFunction, "backward", staticmethod(spy))
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    grads = torch.autograd.grad((out * 2).sum() + lse.sum().detach(), (q, k, v))
+    assert seen == [(False, None, None)], seen
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(g.abs().sum() > 0 for g in grads)
+    assert real(None, None, None, None) == (None,) * 7

@@ -34,10 +34,16 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(lse)
         if probs is not None:
             ctx.mark_non_differentiable(probs)
+        # no zero gradient made for lse (non-differentiable, but autograd would still pass a zeros
+        # tensor of its shape: an allocation and a fill kernel per backward, thirtieth session), nor for
+        # out when the loss does not use it (backward then returns no gradients)
+        ctx.set_materialize_grads(False)
         return out, lse, probs
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor, _dlse, _dprobs):
+    def backward(ctx, dout: torch.Tensor | None, _dlse, _dprobs):
+        if dout is None:  # out took no part in what is differentiated: every gradient is zero
+            return (None,) * 7
         if torch.is_grad_enabled():
             # create_graph=True: the gradients would need a graph of their own
             raise RuntimeError(
