@@ -741,14 +741,15 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         """The dQ tile of a dense call whose longest side is ``longest``."""
         return configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=longest)
 
-    # the Gluon dK/dV launch's programs (launch_gluon's grid; varlen: of the longest sequence, the same
-    # for every length class, so the route stays monotone in the length)
-    # the Gluon dK/dV kernel's KV_SPLIT where it runs without the fused dQ (configs.kv_split; not packed:
-    # its length classes write dk / dv in parts; by default not one sequence either, whose bits packed
-    # calls of it promise to give: _kv_split). (bwd_sm90 is None where Gluon does not import.)
-    dkdv_programs, sms, kv_split = 0, 0, 1
+    # the Gluon dK/dV launch's key blocks and programs (launch_gluon's grid; varlen: of the longest
+    # sequence, the same for every length class, so the route stays monotone in the length), and its
+    # KV_SPLIT where it runs without the fused dQ (configs.kv_split; not packed: its length classes
+    # write dk / dv in parts; by default not one sequence either, whose bits packed calls of it
+    # promise to give: _kv_split). (bwd_sm90 is None where Gluon does not import.)
+    n_kb, dkdv_programs, sms, kv_split = 0, 0, 0, 1
     if sm90 and bwd_sm90 is not None:
-        dkdv_programs = cdiv(Sk, bwd_sm90.block_n(D)) * B * Hkv
+        n_kb = cdiv(Sk, bwd_sm90.block_n(D))
+        dkdv_programs = n_kb * B * Hkv
         sms = bwd_sm90.sm_count(q.device)
         if not var.varlen:
             kv_split = _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs, sms, B)
@@ -806,7 +807,6 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             gk, gv = (b.alloc(torch.empty, (B, Sk, Hkv * split, D), torch.float32, q.device) for _ in range(2))
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
-        n_kb = cdiv(Sk, bwd_sm90.block_n(D))
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
         sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D) if sem is not None else 0
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv * split),
