@@ -300,6 +300,9 @@ def main(argv=None) -> int:
                 # over two programs, fp32 partials of dK / dV, then their sum kernel; D=64 / 128 / 256
                 *((f"gluon-kv-split-causal-D{d}-{dt}", d, dtypes[dt], dict(base),
                    dict(s=8192 if d == 64 else 2048, gluon=True, kv_split="2")) for d in (64, 128, 256)),
+                # packed: the kernel's IS_VARLEN with KV_SPLIT, the sum kernel's IS_VARLEN (by length class)
+                (f"gluon-kv-split-varlen-causal-{dt}", 128, dtypes[dt], dict(base),
+                 dict(s=2048, gluon=True, varlen=True, kv_split="2")),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed

@@ -582,6 +582,8 @@ def test_fused_dq_masked_waves(monkeypatch, varlen):
     monkeypatch.setattr(bwd, "GLUON", True)
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    if varlen:  # (a packed sequence's own launch is under a wave here: KV_SPLIT would take the split kernels)
+        monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "1")
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, kwargs)))
     masked = configs.FUSED_DQ_MIN_SEQLEN[128][1]
@@ -639,10 +641,29 @@ def test_kv_split_rule():
             for causal in (False, True):
                 n = configs.kv_split(causal, group, programs, 132)
                 assert group % n == 0 and n & (n - 1) == 0 and (n == 1 or programs * n <= waves * 132)
+    # a sequence alone (and packed): its own launch, KV_SPLIT_ALONE_WAVES; non-increasing in the length,
+    # changing exactly at kv_split_breaks
+    waves1 = configs.KV_SPLIT_ALONE_WAVES[True]
+    assert configs.kv_split_alone(True, 16, 2048, 1, 128, 132) == max(
+        n for n in (1, 2, 4, 8, 16) if 16 * n <= waves1 * 132)
+    assert configs.kv_split_alone(False, 8, 8192, 1, 128, 132) == 2  # 64 programs: 128 within a wave
+    assert configs.kv_split_alone(True, 4, 2048, 8, 128, 132) == (2 if waves1 >= 2 else 1)  # (128 programs)
+    assert configs.kv_split_alone(False, 16, 16384, 2, 128, 132) == 1  # (256 programs: past a wave)
+    for causal in (False, True):
+        for group, heads in ((16, 1), (8, 2), (4, 8), (6, 3)):
+            breaks = configs.kv_split_breaks(causal, group, heads, 128, 132)
+            splits = [configs.kv_split_alone(causal, group, n, heads, 128, 132) for n in range(1, 20000, 7)]
+            assert splits == sorted(splits, reverse=True), (causal, group)
+            for n in range(2, 20000):
+                change = configs.kv_split_alone(causal, group, n, heads, 128, 132) != \
+                    configs.kv_split_alone(causal, group, n - 1, heads, 128, 132)
+                assert change == (n in breaks), (causal, group, heads, n)
     # the environment's override: the largest power of two up to N dividing the group; bad values named
     assert bwd._kv_split("3", True, 16, 128, 132) == 2 and bwd._kv_split("8", False, 12, 500, 132) == 4
     assert bwd._kv_split("1", True, 16, 16, 132) == 1 and bwd._kv_split("off", True, 16, 16, 132) == 1
     assert bwd._kv_split("0", True, 16, 16, 132) == 1 and bwd._kv_split("", True, 16, 16, 132, 2) > 1
+    assert bwd._kv_split(None, True, 16, 999, 132, 1, 2048, 1, 128) == configs.kv_split_alone(True, 16, 2048, 1, 128,
+                                                                                              132)
     for bad in ("-2", "two"):
         with pytest.raises(ValueError, match="TRITONATTN_BWD_KV_SPLIT"):
             bwd._kv_split(bad, True, 16, 16, 132)
@@ -654,9 +675,8 @@ def test_kv_split_launch(monkeypatch, env):
     programs: its kv heads' query heads split over configs.kv_split programs (KV_SPLIT, the virtual
     heads' count and group in the arguments, fp32 partials of Hkv x split heads), then one sum kernel
     into dk / dv (a strided view here: a packed dkv's), in that order; TRITONATTN_BWD_KV_SPLIT forces
-    the split (1: none). By default only dense calls of two or more sequences split: packed calls never
-    do (their length classes write dk / dv in parts), so neither does one sequence alone (the bits of
-    its packed calls)."""
+    the split (1: none). One sequence alone splits by its own launch (configs.kv_split_alone), and so
+    does that sequence in a packed call (its dense call's bits): the sum kernel then by length class."""
     from tritonattn.kernels import launch, plan
 
     if env is not None:
@@ -669,16 +689,20 @@ def test_kv_split_launch(monkeypatch, env):
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     B, S, Hq, Hkv = 2, 2048 + 7, 16, 1
-    # one sequence alone: no split by default (its packed calls never split), forced by the environment
+    n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # 17 x 2 programs on 64 "SMs": under a wave
+    # one sequence alone: its own launch's split (17 programs), or the environment's
+    alone = {None: configs.kv_split_alone(True, Hq // Hkv, S, Hkv, bwd.bwd_sm90.block_n(128), 64), "1": 1,
+             "2": 2}[env]
+    assert env is not None or alone > 1
     q1, k1, v1 = qkv(B=1, Sq=S, Sk=S, Hq=Hq, Hkv=Hkv)
     plan.clear()
     bwd.attention_backward(torch.empty_like(q1), q1, k1, v1, torch.empty_like(q1), torch.empty(1, Hq, S),
                            Variants(softmax_scale=SCALE, win_right=0))
-    assert ("_bwd_kv_sum_kernel" in [name for name, *_ in seen]) == (env == "2"), seen
+    assert ("_bwd_kv_sum_kernel" in [name for name, *_ in seen]) == (alone > 1), seen
+    assert [kw.get("KV_SPLIT", 1) for name, _, _, kw in seen if name == "_bwd_dkdv_ws_kernel"] == [alone]
     del seen[:]
     q, k, v = qkv(B=B, Sq=S, Sk=S, Hq=Hq, Hkv=Hkv)
     do, out, lse = torch.empty_like(q), torch.empty_like(q), torch.empty(B, Hq, S)
-    n_kb = -(-S // bwd.bwd_sm90.block_n(128))  # 17 x 2 programs on 64 "SMs": under a wave
     split = {None: configs.kv_split(True, Hq // Hkv, n_kb * B * Hkv, 64), "1": 1, "2": 2}[env]
     assert env is not None or split > 1
     dkv = torch.empty(B, S, 2, Hkv, 128, dtype=q.dtype)
@@ -701,7 +725,7 @@ def test_kv_split_launch(monkeypatch, env):
         assert sgrid == (-(-S // skw["BLOCK_N"]), B * Hkv)
     else:
         assert gk.data_ptr() == dkv.data_ptr()
-    # packed sequences: no split whatever the launch
+    # the sequence packed: the split of its dense call alone, the sum kernel on its length class
     del seen[:]
     plan.clear()
     cu = torch.tensor([0, S], dtype=torch.int32)
@@ -709,8 +733,17 @@ def test_kv_split_launch(monkeypatch, env):
     bwd.attention_backward(torch.empty_like(qp), qp, kp, vp, torch.empty_like(qp), torch.empty(Hq, S),
                            Variants(softmax_scale=SCALE, win_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                     max_seqlen_q=S, max_seqlen_k=S))
-    assert "_bwd_kv_sum_kernel" not in [name for name, *_ in seen]
-    assert all(kw.get("KV_SPLIT", 1) == 1 for name, _, _, kw in seen if name == "_bwd_dkdv_ws_kernel")
+    # (a launch per length class, the classes breaking where a sequence's split changes: each class's
+    # split is its lengths' own, its sum kernel on the same class; the class holding S has S's split)
+    launches = [(args[10:12], kw.get("KV_SPLIT", 1)) for name, _, args, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+    sums = [(args[6:8], kw["SPLIT"]) for name, _, args, kw in seen if name == "_bwd_kv_sum_kernel"]
+    assert [(lo, hi) for (lo, hi), _ in launches if lo <= S < hi] and sums == [c for c in launches if c[1] > 1]
+    for (lo, hi), split in launches:
+        if env is None:
+            assert split == configs.kv_split_alone(True, Hq // Hkv, max(lo, 1), Hkv, 128, 64) == \
+                configs.kv_split_alone(True, Hq // Hkv, min(hi - 1, S), Hkv, 128, 64), (lo, hi, split)
+        if lo <= S < hi:
+            assert split == alone and all(kw["IS_VARLEN"] for name, _, _, kw in seen if name == "_bwd_kv_sum_kernel")
 
 
 @pytest.mark.parametrize("causal,over_fused", [(True, True), (True, False), (False, True)],
@@ -780,31 +813,45 @@ def test_kv_split_forced_within_grid_limit(monkeypatch):
     assert kw["KV_SPLIT"] == 2 and grid[1] == 2 * 2 * 2, (grid, kw)
 
 
-def check_kv_sum(device, dtype) -> None:
-    """bwd._bwd_kv_sum_kernel: dk / dv = the sums of their fp32 partials' virtual heads in order
-    (bitwise torch's left-to-right sum cast to the dtype), into strided views (a packed dkv's), rows
-    past a block (77 of 64-row blocks), a head dim that is not a power of two (40: masked columns)."""
+def check_kv_sum(device, dtype, packed: bool = False) -> None:
+    """bwd._bwd_kv_sum_kernel through bwd._launch_kv_sum: dk / dv = the sums of their fp32 partials'
+    virtual heads in order (bitwise torch's left-to-right sum cast to the dtype), into strided views (a
+    packed dkv's), rows past a block (77 of 64-row blocks), a head dim that is not a power of two (40:
+    masked columns). Packed sequences (lengths 77, 20, 0, 50; queries 60, 20, 31, 50) summed for one
+    length class, [31, 100) by the longer side: sequences 0, 2 (no key) and 3; the rows of sequence 1
+    (another class's) are left as they were."""
     from tritonattn.kernels import launch
 
     torch.manual_seed(0)
     B, Sk, Hkv, split, D = 2, 77, 3, 4, 40
-    pk, pv = (torch.randn(B, Sk, Hkv * split, D, device=device) for _ in range(2))
-    dkv = torch.full((B, Sk, 2, Hkv, D), float("nan"), dtype=dtype, device=device)
-    dk, dv = dkv.select(2, 0), dkv.select(2, 1)
-    launch.launch(bwd._bwd_kv_sum_kernel, (-(-Sk // 64), B * Hkv), (
-        pk, pv, dk, dv, *pk.stride()[:3], *dk.stride(), *dv.stride(), Hkv, Sk,
-    ), dict(SPLIT=split, HEAD_DIM=D, BLOCK_D=64, BLOCK_N=64, num_warps=4))
+    if packed:
+        lens_k, lens_q = torch.tensor([77, 20, 0, 50]), torch.tensor([60, 20, 31, 50])
+        cu_k, cu_q = (torch.nn.functional.pad(t.cumsum(0), (1, 0)).to(torch.int32).to(device) for t in (lens_k, lens_q))
+        total = int(lens_k.sum())
+        var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=60, max_seqlen_k=77)
+        lead, shape = (total,), (total, Hkv * split, D)
+    else:
+        var, lead, shape = Variants(softmax_scale=SCALE), (B, Sk), (B, Sk, Hkv * split, D)
+    pk, pv = (torch.randn(shape, device=device) for _ in range(2))
+    dkv = torch.full((*lead, 2, Hkv, D), float("nan"), dtype=dtype, device=device)
+    dk, dv = dkv.select(-3, 0), dkv.select(-3, 1)
+    bwd._launch_kv_sum(pk, pv, dk, dv, split, var, (31, 100) if packed else (0, 1 << 30), launch.launch)
     for got, p in ((dk, pk), (dv, pv)):
-        parts = p.view(B, Sk, Hkv, split, D)
-        want = parts[:, :, :, 0]
+        parts = p.view(*lead, Hkv, split, D)
+        want = parts[..., 0, :]
         for i in range(1, split):
-            want = want + parts[:, :, :, i]
-        assert torch.equal(got, want.to(dtype)), (got.float() - want).abs().max()
+            want = want + parts[..., i, :]
+        want = want.to(dtype)
+        if packed:  # sequence 1's rows (77 .. 96): another class's, untouched
+            assert got[77:97].isnan().all()
+            got, want = torch.cat([got[:77], got[97:]]), torch.cat([want[:77], want[97:]])
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
-def test_kv_sum_kernel(dtype):
-    check_kv_sum("cpu", dtype)
+def test_kv_sum_kernel(dtype, packed):
+    check_kv_sum("cpu", dtype, packed)
 
 
 def check_dq_convert(device, packed: bool, dtype) -> None:

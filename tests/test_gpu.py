@@ -251,7 +251,8 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     sms = launch.sm_count(q.device)
     fused = gluon_bwd and configs.fused_dq_serves(D, causal, max(Sq, Sk), Hq // Hkv, programs, sms)
     # (with a mask, a launch that splits its kv heads takes the split kernels: configs.KV_SPLIT_OVER_FUSED)
-    split = bwd._kv_split(None, causal, Hq // Hkv, programs, sms, B) if gluon_bwd else 1
+    split = bwd._kv_split(None, causal, Hq // Hkv, programs, sms, B, max(Sq, Sk), Hkv,
+                          bwd.bwd_sm90.block_n(D)) if gluon_bwd else 1
     fused = fused and not (causal and split > 1 and configs.KV_SPLIT_OVER_FUSED)
     assert ("_bwd_kv_sum_kernel" in names) == (gluon_bwd and not fused and split > 1), names
     assert ("_bwd_dq_convert_kernel" in names) == fused and ("_bwd_dq_kernel" in names) != fused, names
@@ -1099,6 +1100,37 @@ def test_kv_split_on_gpu(D, causal, monkeypatch, poison):
     dq2, dkv = torch.autograd.grad(out2, (qd, kv), dout)
     assert "_bwd_kv_sum_kernel" in names, names
     check_against_reference(q, k, v, out2, lse2, (dq2, dkv[:, :, 0], dkv[:, :, 1]), dout, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [128, 64, 256])
+def test_kv_split_packed_bitwise_equals_dense_on_gpu(D, causal, poison, monkeypatch):
+    """KV_SPLIT for one sequence alone and packed (configs.kv_split_alone): MQA with 16 query heads,
+    sequences whose own Gluon dK/dV launch is under a wave split by their length (several length
+    classes: a launch and a sum kernel each), others too short for the Gluon kernel or too long to
+    split; every sequence bitwise what its own dense call gives, and the packed call within the
+    reference's tolerance. The fused dQ off (TRITONATTN_BWD_FUSED_DQ=0), so the split applies at
+    every Gluon length."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
+    first = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][causal]
+    bn, sms = bwd.bwd_sm90.block_n(D), launch.sm_count(torch.device(DEVICE))
+    # (lengths of splits 16 / 8 / ... where the SM count allows, one under the Gluon kernel's length)
+    lens = [first + 37, 2 * first + 5, first - 3, 4 * first + 1, 300, 1, first]
+    splits = {n: configs.kv_split_alone(causal, 16, n, 1, bn, sms) for n in lens if n >= first}
+    assert max(splits.values()) > 1, splits
+    names = _launched(monkeypatch)
+    cu, (q, k, v), out, lse, dout, (dq, dk, dv) = _packed_run(lens, 16, 1, causal, seed=5, D=D)
+    assert "_bwd_kv_sum_kernel" in names, names
+    check_varlen_against_reference(q, k, v, out, lse, (dq, dk, dv), dout, cu, causal)
+    for b in range(len(lens)):
+        s0, s1 = cu[b].item(), cu[b + 1].item()
+        qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t in (q, k, v))
+        ob = flash_attn_func(qb, kb, vb, causal=causal)
+        gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[s0:s1][None])
+        assert torch.equal(dq[s0:s1], gq[0]) and torch.equal(dk[s0:s1], gk[0]) and torch.equal(dv[s0:s1], gv[0]), \
+            (b, lens[b], splits.get(lens[b]))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -510,9 +510,15 @@ def fused_sections(head_dim: int, group: int, longest: int, programs: float = ma
 # every query block, set the time (GQA 16 causal at the fa shape: 128 programs, 0.62-0.72x cuDNN).
 # The split: the largest power of two dividing the group that keeps the launch within
 # KV_SPLIT_WAVES[causal] waves (causal: more programs than SMs, so that the short ones fill in).
-# Dense calls of two or more sequences only: packed sequences (length classes) never split, and a
-# sequence alone must give the bits its packed calls give (bwd._kv_split).
+# This rule is for dense calls of two or more sequences, whose launch the launcher knows. One
+# sequence alone and packed sequences split by kv_split_alone instead (a packed call must give each
+# sequence its dense call's bits: bwd._kv_split).
 KV_SPLIT_WAVES = (1, 4)
+# kv_split_alone's waves (no mask, causal): those of one sequence's own launch, which a packed call
+# repeats for each of its sequences, so fewer than KV_SPLIT_WAVES: a packed call of many sequences
+# already fills the SMs, and its sequences' partials cost traffic (predicted in benchmarks/NOTES.md,
+# thirty-first session: B=1 GQA 16 causal 2048 2-4x on the dK/dV kernel, packed calls within -3%).
+KV_SPLIT_ALONE_WAVES = (1, 2)
 # With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
 # kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
 # programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
@@ -521,15 +527,36 @@ KV_SPLIT_WAVES = (1, 4)
 KV_SPLIT_OVER_FUSED = True
 
 
-def kv_split(causal: bool, group: int, programs: int, sms: int) -> int:
+def kv_split(causal: bool, group: int, programs: int, sms: int, waves: tuple[int, int] | None = None) -> int:
     """How many programs share each kv head's query heads in the Gluon dK/dV kernel (1: none) for a
     dense call with ``group`` query heads per kv head whose launch has ``programs`` programs on
-    ``sms`` SMs (:data:`KV_SPLIT_WAVES`)."""
+    ``sms`` SMs (:data:`KV_SPLIT_WAVES`, or ``waves``)."""
+    limit = (KV_SPLIT_WAVES if waves is None else waves)[causal] * sms
     split = 1
     if programs < sms:
-        while group % (2 * split) == 0 and programs * 2 * split <= KV_SPLIT_WAVES[causal] * sms:
+        while group % (2 * split) == 0 and programs * 2 * split <= limit:
             split *= 2
     return split
+
+
+def kv_split_alone(causal: bool, group: int, longest: int, kv_heads: int, block_n: int, sms: int) -> int:
+    """:func:`kv_split` for one sequence whose longest side (queries or keys) is ``longest``, as the
+    Gluon dK/dV kernel's launch of it alone would have (``longest`` / ``block_n`` key blocks x
+    ``kv_heads``; :data:`KV_SPLIT_ALONE_WAVES`): the split of a dense call of one sequence, and of
+    that sequence in a packed call (its length class's). Non-increasing in ``longest``."""
+    return kv_split(causal, group, -(-max(longest, 1) // block_n) * kv_heads, sms, KV_SPLIT_ALONE_WAVES)
+
+
+def kv_split_breaks(causal: bool, group: int, kv_heads: int, block_n: int, sms: int) -> set[int]:
+    """The lengths at which :func:`kv_split_alone` changes (a packed call's length classes break
+    there too, launch.length_classes): n key blocks' last length + 1 wherever n + 1 blocks split
+    differently. Past ``sms`` // ``kv_heads`` blocks nothing splits."""
+    out = set()
+    for n in range(1, sms // max(kv_heads, 1) + 1):
+        if kv_split_alone(causal, group, n * block_n, kv_heads, block_n, sms) != \
+                kv_split_alone(causal, group, n * block_n + 1, kv_heads, block_n, sms):
+            out.add(n * block_n + 1)
+    return out
 
 
 def length_breaks() -> set[int]:

@@ -17,6 +17,8 @@ where Z = keep / (1 - p) is regenerated from the same Philox counters as the for
 """
 
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -148,23 +150,34 @@ def _convert_dq(dqa: torch.Tensor, dq: torch.Tensor, var: Variants, launch_fn) -
 @triton.jit
 def _bwd_kv_sum_kernel(
     PK, PV, DK, DV,
+    CU_Q, CU_K, LEN_LO, LEN_HI,
     stride_pb, stride_pn, stride_ph,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     Hkv, Sk,
     SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False,
 ):
     """dK / dV (their dtype, any strides) of kv head h = the sum of the SPLIT fp32 partials of its
     virtual heads h * SPLIT .. h * SPLIT + SPLIT - 1 (bwd_sm90 KV_SPLIT; PK / PV share their
-    strides, unit dim stride), added in that order: the same bits on every run."""
+    strides, unit dim stride), added in that order: the same bits on every run. IS_VARLEN: sequence
+    b is rows [CU_K[b], CU_K[b + 1]) (batch strides 0, Sk the longest), and only the sequences whose
+    longest side is in [LEN_LO, LEN_HI) (the length class the partials are of) are summed."""
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     off_b = bh // Hkv
     off_h = bh % Hkv
+    start = 0
+    if IS_VARLEN:
+        start = tl.load(CU_K + off_b).to(tl.int64)
+        Sk = (tl.load(CU_K + off_b + 1) - start).to(tl.int32)
+        longest = tl.maximum(Sk, tl.load(CU_Q + off_b + 1) - tl.load(CU_Q + off_b))
+        if (pid * BLOCK_N >= Sk) | (longest < LEN_LO) | (longest >= LEN_HI):
+            return
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < HEAD_DIM)
-    r = offs_n[:, None].to(tl.int64)
+    r = start + offs_n[:, None].to(tl.int64)
     p = off_b * stride_pb + off_h * SPLIT * stride_ph + r * stride_pn + offs_d[None, :]
     dk = tl.load(PK + p, mask=mask, other=0.0)
     dv = tl.load(PV + p, mask=mask, other=0.0)
@@ -742,41 +755,56 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         return configs.backward_dq_config(q, var.causal, var.extra_smem, seqlen=longest)
 
     # the Gluon dK/dV launch's key blocks and programs (launch_gluon's grid; varlen: of the longest
-    # sequence, the same for every length class, so the route stays monotone in the length), and its
-    # KV_SPLIT where it runs without the fused dQ (configs.kv_split; not packed: its length classes
-    # write dk / dv in parts; by default not one sequence either, whose bits packed calls of it
-    # promise to give: _kv_split). (bwd_sm90 is None where Gluon does not import.)
-    n_kb, dkdv_programs, sms, kv_split = 0, 0, 0, 1
+    # sequence, the same for every length class of a call, so the route stays monotone in the length),
+    # and its KV_SPLIT where it runs without the fused dQ (_kv_split: a dense batch's by its launch,
+    # one sequence alone or packed ones by each sequence's own, so that a packed sequence gets its
+    # dense call's bits; non-increasing in the length). (bwd_sm90 is None where Gluon does not import.)
+    n_kb, dkdv_programs, sms, bn = 0, 0, 0, 1
     if sm90 and bwd_sm90 is not None:
-        n_kb = cdiv(Sk, bwd_sm90.block_n(D))
+        bn = bwd_sm90.block_n(D)
+        n_kb = cdiv(Sk, bn)
         dkdv_programs = n_kb * B * Hkv
         sms = bwd_sm90.sm_count(q.device)
-        if not var.varlen:
-            kv_split = _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs, sms, B)
-        while kv_split > 1 and B * Hkv * kv_split > configs.MAX_GRID_YZ:  # (a forced split: the grid's y limit)
-            kv_split //= 2
+
+    def kv_split_of(longest: int) -> int:
+        """The Gluon dK/dV kernel's KV_SPLIT for a dense call (or a length class) whose longest side is
+        ``longest``, within the grid's y limit (a forced split, or a packed call of very many sequences)."""
+        if not (sm90 and bwd_sm90 is not None):
+            return 1
+        split = _kv_split(kv_split_env, var.causal, Hq // Hkv, dkdv_programs, sms, 1 if var.varlen else B,
+                          longest, Hkv, bn)
+        while split > 1 and B * Hkv * split > configs.MAX_GRID_YZ:
+            split //= 2
+        return split
 
     def dkdv_route(longest: int):
         """What the dK/dV step of such a dense call takes: the Gluon kernel, or the Triton one's tile."""
         if sm90 and _gluon_ok(q, k, v, do, lse, dk, dv, var, True, longest=longest):
             if not bwd_sm90.fuses_dq(D):  # (the atomic path's dQ comes from the Triton dK/dV kernel there)
                 if not atomic_dq:
-                    return GLUON_ROUTE
+                    split = kv_split_of(longest)
+                    return GLUON_ROUTE if split == 1 else (GLUON_ROUTE, split)
             elif atomic_dq or fused_mode == "all" or (
                     fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv,
                                                            dkdv_programs, sms)
                     # with a mask, a launch that splits its kv heads takes the split kernels (configs.KV_SPLIT_WAVES)
-                    and not (var.win_right is not None and kv_split > 1 and configs.KV_SPLIT_OVER_FUSED)):
+                    and not (var.win_right is not None and kv_split_of(longest) > 1 and configs.KV_SPLIT_OVER_FUSED)):
                 return GLUON_FUSED_ROUTE
             else:
-                return GLUON_ROUTE
+                split = kv_split_of(longest)
+                return GLUON_ROUTE if split == 1 else (GLUON_ROUTE, split)
         return configs.backward_dkdv_config(q, var.causal, var.extra_smem, atomic_dq=atomic_dq, tma=tma,
                                             seqlen=longest)
+
+    # packed calls: their length classes also break where a sequence's own KV_SPLIT changes
+    breaks = configs.length_breaks()
+    if var.varlen and sm90 and bwd_sm90 is not None and not atomic_dq:
+        breaks |= configs.kv_split_breaks(var.causal, Hq // Hkv, Hkv, bn, sms)
 
     def classes(route):
         """Packed sequences: a launch per length class (launch.length_classes), each sequence bitwise what
         its own dense call gives; not on the atomic-dQ path (one dQ accumulator, and no such promise)."""
-        return length_classes(route, max(Sq, Sk), configs.length_breaks(), packed=var.varlen and not atomic_dq)
+        return length_classes(route, max(Sq, Sk), breaks, packed=var.varlen and not atomic_dq)
 
     # delta shares lse's strides (the kernels index both with them)
     delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
@@ -798,13 +826,23 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             HEADS_FIRST=wide,
         ))
 
+    # the fp32 partials of the classes with KV_SPLIT (one pair, for the largest split: each class's
+    # launches, its sum kernel's included, are done before the next class's on the stream)
+    partials = []
+
     def launch_gluon(lo, hi, dqa=None, sem=None, split=1):
         """The Gluon dK/dV kernel on the length class [lo, hi); FUSED_DQ into ``dqa`` (with ``sem``:
         ordered), or with ``split`` > 1 (KV_SPLIT) into fp32 partials, summed into dk / dv after."""
         block_m, stages = bwd_sm90.TILES[D]
         gk, gv = dk, dv
         if split > 1:
-            gk, gv = (b.alloc(torch.empty, (B, Sk, Hkv * split, D), torch.float32, q.device) for _ in range(2))
+            # (B, Sk, Hkv x split, D), or packed (total_k, Hkv x split, D)
+            shape = (*k.shape[:-2], Hkv * split, D)
+            if not partials:
+                most = max(_split_of(cfg) for _, _, cfg in dkdv_classes)
+                partials.extend(b.alloc(torch.empty, (*k.shape[:-2], Hkv * most, D), torch.float32, q.device)
+                                for _ in range(2))
+            gk, gv = (t.view(-1)[:math.prod(shape)].view(shape) for t in partials)
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
@@ -820,11 +858,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
                       else split_waits, SECTION=sec, **({"KV_SPLIT": split} if split > 1 else {})))
         if split > 1:
-            block_d = configs.padded_head_dim(D)
-            rows = max(16, 4096 // block_d)  # (two fp32 tiles of 4096 elements: 64 registers a thread)
-            b.launch(_bwd_kv_sum_kernel, (cdiv(Sk, rows), B * Hkv), (
-                gk, gv, dk, dv, *gk.stride()[:3], *dk.stride(), *dv.stride(), Hkv, Sk,
-            ), dict(SPLIT=split, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=rows, num_warps=4))
+            _launch_kv_sum(gk, gv, dk, dv, split, var, (lo, hi), b.launch)
 
     dqa = None
     if fused:
@@ -855,8 +889,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     for lo, hi, cfg in dkdv_classes:
         if cfg == GLUON_FUSED_ROUTE:
             continue
-        if cfg == GLUON_ROUTE:
-            launch_gluon(lo, hi, split=kv_split)
+        if _split_of(cfg):
+            launch_gluon(lo, hi, split=_split_of(cfg))
             continue
         sk = min(Sk, hi - 1)  # a class's sequences are shorter than hi: its grid covers no more keys
 
@@ -921,13 +955,19 @@ GLUON_VARLEN = configs.env_flag("TRITONATTN_BWD_GLUON_VARLEN", default=True)
 SPLIT_DIAG_ROWS = 128
 
 
-def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int, batch: int = 2) -> int:
-    """The Gluon dK/dV kernel's KV_SPLIT for a dense call of ``batch`` sequences without the fused dQ:
-    configs.kv_split for two or more sequences (one sequence alone keeps the bits its packed calls
-    give, which never split), or TRITONATTN_BWD_KV_SPLIT=N for any (the largest power of two up to N
-    that divides the group; 1 or 0 / off turns it off; empty: unset)."""
+def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int, batch: int = 2,
+              longest: int = 0, kv_heads: int = 1, block_n: int = 128) -> int:
+    """The Gluon dK/dV kernel's KV_SPLIT without the fused dQ: for a dense call of ``batch`` >= 2
+    sequences whose launch has ``programs`` programs, configs.kv_split; for one sequence alone
+    (``batch`` 1, and each length class of a packed call, which the launcher passes as 1), the
+    sequence's own (configs.kv_split_alone of its ``longest`` side, ``kv_heads``, ``block_n`` keys
+    per program), so that a packed sequence gets its dense call's bits; or TRITONATTN_BWD_KV_SPLIT=N
+    for any (the largest power of two up to N that divides the group; 1 or 0 / off turns it off;
+    empty: unset)."""
     if env is None or env.strip() == "":
-        return configs.kv_split(causal, group, programs, sms) if batch >= 2 else 1
+        if batch >= 2:
+            return configs.kv_split(causal, group, programs, sms)
+        return configs.kv_split_alone(causal, group, longest, kv_heads, block_n, sms)
     if env.strip().lower() in ("0", "off", "false", "no"):
         return 1
     try:
@@ -940,6 +980,37 @@ def _kv_split(env: str | None, causal: bool, group: int, programs: int, sms: int
     while 2 * split <= n and group % (2 * split) == 0:
         split *= 2
     return split
+
+
+def _split_of(route) -> int:
+    """The KV_SPLIT of a dK/dV route of attention_backward's: > 0 for the Gluon kernel without the fused
+    dQ (GLUON_ROUTE: 1; (GLUON_ROUTE, n): n), 0 for the others."""
+    if route == GLUON_ROUTE:
+        return 1
+    if type(route) is tuple and route[0] == GLUON_ROUTE:
+        return route[1]
+    return 0
+
+
+def _launch_kv_sum(gk, gv, dk, dv, split: int, var: Variants, lengths: tuple[int, int], launch_fn) -> None:
+    """dk / dv from the fp32 partials ``gk`` / ``gv`` of the Gluon dK/dV kernel with KV_SPLIT ``split``
+    (_bwd_kv_sum_kernel); packed: the sequences of the length class ``lengths`` only (the other
+    classes' rows of the partials hold nothing of theirs)."""
+    D = dk.shape[-1]
+    block_d = configs.padded_head_dim(D)
+    rows = max(16, 4096 // block_d)  # (two fp32 tiles of 4096 elements: 64 registers a thread)
+    if var.varlen:
+        hkv, sk, n_seq = dk.shape[1], var.max_seqlen_k, var.cu_seqlens_k.shape[0] - 1
+        grid = (cdiv(sk, rows), n_seq * hkv)
+        seqs = (var.cu_seqlens_q, var.cu_seqlens_k, *lengths)
+        strides = (0, *gk.stride()[:2], 0, *dk.stride(), 0, *dv.stride())
+    else:
+        hkv, sk = dk.shape[2], dk.shape[1]
+        grid = (cdiv(sk, rows), dk.shape[0] * hkv)
+        seqs = (gk, gk, 0, LENGTH_CAP)
+        strides = (*gk.stride()[:3], *dk.stride(), *dv.stride())
+    launch_fn(_bwd_kv_sum_kernel, grid, (gk, gv, dk, dv, *seqs, *strides, hkv, sk),
+              dict(SPLIT=split, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=rows, IS_VARLEN=var.varlen, num_warps=4))
 
 
 def _gluon_ok(q, k, v, do, lse, dk, dv, var: Variants, sm90: bool, longest: int | None = None) -> bool:
