@@ -100,6 +100,9 @@ def main():
     p.add_argument("--llama", action="store_true", help="B=4, Hq=32, Hkv=8 instead of the fa shape")
     p.add_argument("--group", type=int, default=0,
                    help="query heads per kv head on the fa shape (Hkv = H // GROUP; 0: the shape's own)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per call (0: the shape's own)")
+    p.add_argument("--packed", action="store_true",
+                   help="the batch's sequences packed into one flash_attn_varlen_func call (cuDNN's column: dense)")
     a = p.parse_args()
     if a.group and (a.llama or a.group < 1):
         p.error("--group: a positive number of query heads per kv head, on the fa shape (not with --llama)")
@@ -113,11 +116,13 @@ def main():
                     if H % a.group:
                         raise SystemExit(f"--group {a.group}: the fa shape at D={D} has {H} heads")
                     Hkv = H // a.group
+                B = a.batch or B
                 torch.manual_seed(S + D)
                 q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                         for _ in range(2))
                 dout = torch.randn_like(q)
+                call = _call(B, S, causal, a.packed)
                 flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
                 times = {s: [] for s in a.settings}
                 ref = None
@@ -126,7 +131,7 @@ def main():
                         saved = _apply(envs[s])
                         try:
                             plan.clear()
-                            out = tritonattn.flash_attn_func(q, k, v, causal=causal)
+                            out = call(q, k, v)
                             grads = torch.autograd.grad(out, (q, k, v), dout)
                             if ref is None:
                                 ref = grads
@@ -141,9 +146,8 @@ def main():
                             # not be reached from the capture on the side stream (a capture error)
                             del out, grads
                             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                            times[s].append(_bench(_graphed(
-                                lambda: tritonattn.flash_attn_func(qg, kg, vg, causal=causal),
-                                "bwd", (qg, kg, vg), dout)) * 1e3)
+                            times[s].append(_bench(_graphed(lambda: call(qg, kg, vg), "bwd", (qg, kg, vg), dout))
+                                            * 1e3)
                         finally:
                             _restore(saved)
                 plan.clear()
@@ -154,6 +158,20 @@ def main():
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
                 print_rows(D, S, causal, times, flops,
                            _bench(_graphed(cud, "bwd", (qt, kt, vt), dout.transpose(1, 2))) * 1e3)
+
+
+def _call(B: int, S: int, causal: bool, packed: bool):
+    """The attention call timed: flash_attn_func on (B, S, H, D) tensors, or with ``packed`` their B
+    sequences of S tokens as one flash_attn_varlen_func call (the same numbers, viewed packed)."""
+    if not packed:
+        return lambda q, k, v: tritonattn.flash_attn_func(q, k, v, causal=causal)
+    cu = torch.arange(B + 1, device="cuda", dtype=torch.int32) * S
+
+    def packed_call(q, k, v):
+        out = tritonattn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, S, S,
+                                                causal=causal)
+        return out.view(q.shape)
+    return packed_call
 
 
 if __name__ == "__main__":
