@@ -626,9 +626,11 @@ def test_fused_dq_masked_waves(monkeypatch, varlen):
             assert (kw["SECTION"] > 0) == kw["FUSED_DQ"] and len(grid) == (1 if kw["FUSED_DQ"] else 2), (sms, kw)
 
 
-def test_kv_split_rule():
+def test_kv_split_rule(monkeypatch):
     """configs.kv_split: 1 from one wave of programs up; under it the largest power of two dividing the
-    group that keeps the launch within a wave (no mask) or KV_SPLIT_WAVES[True] waves (causal)."""
+    group that keeps the launch within a wave (no mask) or KV_SPLIT_WAVES[True] waves (causal).
+    kv_split_alone with KV_SPLIT_ALONE_WAVES (set to (1, 2) here), and 1 with it None (off)."""
+    monkeypatch.setattr(configs, "KV_SPLIT_ALONE_WAVES", (1, 2))
     waves = configs.KV_SPLIT_WAVES[True]
     assert configs.kv_split(True, 16, 132, 132) == 1 and configs.kv_split(False, 16, 500, 132) == 1
     assert configs.kv_split(False, 16, 128, 132) == 1  # (two would make 256 > 132)
@@ -667,6 +669,10 @@ def test_kv_split_rule():
     for bad in ("-2", "two"):
         with pytest.raises(ValueError, match="TRITONATTN_BWD_KV_SPLIT"):
             bwd._kv_split(bad, True, 16, 16, 132)
+    monkeypatch.setattr(configs, "KV_SPLIT_ALONE_WAVES", None)
+    assert configs.kv_split_alone(True, 16, 2048, 1, 128, 132) == 1 and not configs.kv_split_breaks(True, 16, 1,
+                                                                                                      128, 132)
+    assert bwd._kv_split("4", True, 16, 16, 132, 1, 2048, 1, 128) == 4  # (forced: any call)
 
 
 @pytest.mark.parametrize("env", [None, "1", "2"], ids=["default", "off", "forced-2"])
@@ -686,6 +692,7 @@ def test_kv_split_launch(monkeypatch, env):
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
     monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: 64)
+    monkeypatch.setattr(configs, "KV_SPLIT_ALONE_WAVES", (1, 2))  # (the rule's arithmetic, whatever the default)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
     B, S, Hq, Hkv = 2, 2048 + 7, 16, 1

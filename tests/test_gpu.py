@@ -1114,6 +1114,8 @@ def test_kv_split_packed_bitwise_equals_dense_on_gpu(D, causal, poison, monkeypa
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
+    if configs.KV_SPLIT_ALONE_WAVES is None:  # (off by default: the rule's own waves, on)
+        monkeypatch.setattr(configs, "KV_SPLIT_ALONE_WAVES", (1, 2))
     first = configs.GLUON_MIN_SEQLEN["bwd_dkdv"][D][causal]
     bn, sms = bwd.bwd_sm90.block_n(D), launch.sm_count(torch.device(DEVICE))
     # (lengths of splits 16 / 8 / ... where the SM count allows, one under the Gluon kernel's length)

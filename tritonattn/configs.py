@@ -518,7 +518,8 @@ KV_SPLIT_WAVES = (1, 4)
 # repeats for each of its sequences, so fewer than KV_SPLIT_WAVES: a packed call of many sequences
 # already fills the SMs, and its sequences' partials cost traffic (predicted in benchmarks/NOTES.md,
 # thirty-first session: B=1 GQA 16 causal 2048 2-4x on the dK/dV kernel, packed calls within -3%).
-KV_SPLIT_ALONE_WAVES = (1, 2)
+# None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says).
+KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = (1, 2)
 # With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
 # kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
 # programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
@@ -543,7 +544,10 @@ def kv_split_alone(causal: bool, group: int, longest: int, kv_heads: int, block_
     """:func:`kv_split` for one sequence whose longest side (queries or keys) is ``longest``, as the
     Gluon dK/dV kernel's launch of it alone would have (``longest`` / ``block_n`` key blocks x
     ``kv_heads``; :data:`KV_SPLIT_ALONE_WAVES`): the split of a dense call of one sequence, and of
-    that sequence in a packed call (its length class's). Non-increasing in ``longest``."""
+    that sequence in a packed call (its length class's). Non-increasing in ``longest``. 1 where
+    :data:`KV_SPLIT_ALONE_WAVES` is None (off)."""
+    if KV_SPLIT_ALONE_WAVES is None:
+        return 1
     return kv_split(causal, group, -(-max(longest, 1) // block_n) * kv_heads, sms, KV_SPLIT_ALONE_WAVES)
 
 
