@@ -518,8 +518,10 @@ KV_SPLIT_WAVES = (1, 4)
 # repeats for each of its sequences, so fewer than KV_SPLIT_WAVES: a packed call of many sequences
 # already fills the SMs, and its sequences' partials cost traffic (predicted in benchmarks/NOTES.md,
 # thirty-first session: B=1 GQA 16 causal 2048 2-4x on the dK/dV kernel, packed calls within -3%).
-# None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says).
-KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = (1, 2)
+# None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says):
+# the default until it is measured on a GPU (thirty-first session: no device came; (1, 2) is the
+# setting to measure first, bwd_flags.py "configs.KV_SPLIT_ALONE_WAVES=(1,2)").
+KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = None
 # With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
 # kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
 # programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
