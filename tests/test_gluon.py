@@ -732,6 +732,11 @@ def test_kv_split_launch(monkeypatch, env):
         assert sgrid == (-(-S // skw["BLOCK_N"]), B * Hkv)
     else:
         assert gk.data_ptr() == dkv.data_ptr()
+    # the call kept a launch plan (the partials are its recorded buffers): the next call replays it
+    hits, n = plan.hits, len(seen)
+    bwd.attention_backward(do, q, k, v, out, lse, Variants(softmax_scale=SCALE, win_right=0),
+                           dk=dkv.select(2, 0), dv=dkv.select(2, 1))
+    assert plan.hits == hits + 1 and [name for name, *_ in seen[n:]] == names
     # the sequence packed: the split of its dense call alone, the sum kernel on its length class
     del seen[:]
     plan.clear()
@@ -744,6 +749,7 @@ def test_kv_split_launch(monkeypatch, env):
     # split is its lengths' own, its sum kernel on the same class; the class holding S has S's split)
     launches = [(args[10:12], kw.get("KV_SPLIT", 1)) for name, _, args, kw in seen if name == "_bwd_dkdv_ws_kernel"]
     sums = [(args[6:8], kw["SPLIT"]) for name, _, args, kw in seen if name == "_bwd_kv_sum_kernel"]
+    assert plan._plans, "the packed call with split classes kept no plan"
     assert [(lo, hi) for (lo, hi), _ in launches if lo <= S < hi] and sums == [c for c in launches if c[1] > 1]
     for (lo, hi), split in launches:
         if env is None:

@@ -17,8 +17,6 @@ where Z = keep / (1 - p) is regenerated from the same Philox counters as the for
 """
 
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -836,13 +834,14 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         block_m, stages = bwd_sm90.TILES[D]
         gk, gv = dk, dv
         if split > 1:
-            # (B, Sk, Hkv x split, D), or packed (total_k, Hkv x split, D)
-            shape = (*k.shape[:-2], Hkv * split, D)
+            # (B, Sk, Hkv x most, D), or packed (total_k, Hkv x most, D), for the call's largest split
+            # (a class of a smaller split writes and sums its first Hkv x split heads; the tensors
+            # themselves, not views of them, are the launches' arguments, so the plan keeps them)
             if not partials:
                 most = max(_split_of(cfg) for _, _, cfg in dkdv_classes)
                 partials.extend(b.alloc(torch.empty, (*k.shape[:-2], Hkv * most, D), torch.float32, q.device)
                                 for _ in range(2))
-            gk, gv = (t.view(-1)[:math.prod(shape)].view(shape) for t in partials)
+            gk, gv = partials
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
         # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)

@@ -767,11 +767,15 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float
     side is in [lo, hi) (a length class, launch.length_classes). ``dqa`` (the kernel's FUSED_DQ):
     the contiguous fp32 buffer that dQ (scaled) is added to, (B, Hq, Sq, D), or (Hq, total_q, D)
     packed, zeroed by the caller; ``sem`` (DETERMINISTIC): int32 zeros, ``sem_blocks(q, cu_seqlens)``
-    of them. ``kv_split`` (the kernel's KV_SPLIT): dk / dv are fp32 partials with kv_split x k's kv heads,
-    (B, Sk, Hkv * kv_split, D), and the kernel gets the virtual heads' count and group."""
+    of them. ``kv_split`` (the kernel's KV_SPLIT): dk / dv are fp32 partials with at least kv_split x k's
+    kv heads, (B, Sk, Hkv * n, D) with n >= kv_split (the kernel writes the first Hkv * kv_split), and
+    the kernel gets the virtual heads' count and group."""
     dense = cu_seqlens is None
     hq, hkv = (q.shape[2], k.shape[2]) if dense else (q.shape[1], k.shape[1])
-    assert (hq // hkv) % kv_split == 0 and dk.shape[-2] == dv.shape[-2] == hkv * kv_split, (hq, hkv, kv_split)
+    assert (hq // hkv) % kv_split == 0, (hq, hkv, kv_split)
+    assert dk.shape[-2] == dv.shape[-2] and (dk.shape[-2] == hkv if kv_split == 1 else
+                                             dk.shape[-2] % hkv == 0 and dk.shape[-2] >= hkv * kv_split), \
+        (dk.shape, hkv, kv_split)
     hkv *= kv_split
     if dqa is None:
         fused = (q, 0, 0, 0, q, 0, 0)
