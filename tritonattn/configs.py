@@ -518,10 +518,12 @@ KV_SPLIT_WAVES = (1, 4)
 # repeats for each of its sequences, so fewer than KV_SPLIT_WAVES: a packed call of many sequences
 # already fills the SMs, and its sequences' partials cost traffic (predicted in benchmarks/NOTES.md,
 # thirty-first session: B=1 GQA 16 causal 2048 2-4x on the dK/dV kernel, packed calls within -3%).
-# None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says):
-# the default until it is measured on a GPU (thirty-first session: no device came; (1, 2) is the
-# setting to measure first, bwd_flags.py "configs.KV_SPLIT_ALONE_WAVES=(1,2)").
-KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = None
+# None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says).
+# Measured (thirty-first session, H100, bwd_flags.py --group 16 fa shape D=128, backward graph replays,
+# x off): B=1 causal 2048 (1,2) 2.86x, (1,1) 3.76x; B=1 causal 8192 (1,2) 2.53x, (1,1) 2.09x; packed
+# 8 x 2048 causal (1,2) 0.86x, (1,1) 1.05x; non-causal unchanged (the fused dQ serves). (1,1): no
+# packed call loses, and the short sequence alone gains most.
+KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = (1, 1)
 # With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
 # kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
 # programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
