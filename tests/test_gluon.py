@@ -759,16 +759,20 @@ def test_kv_split_launch(monkeypatch, env):
             assert split == alone and all(kw["IS_VARLEN"] for name, _, _, kw in seen if name == "_bwd_kv_sum_kernel")
 
 
-@pytest.mark.parametrize("causal,over_fused", [(True, True), (True, False), (False, True)],
-                         ids=["causal", "causal-fused", "full"])
-def test_kv_split_over_fused(monkeypatch, causal, over_fused):
-    """configs.KV_SPLIT_OVER_FUSED: a causal call the table fuses (GROUP 16 past FUSED_DQ_GRID_FIRST's
-    length) whose launch splits its kv heads (under one wave: 2 sequences x 33 key blocks on 128
-    "SMs") takes the split kernels, KV_SPLIT on the Gluon dK/dV kernel; with the switch off, or without
-    a mask, the fused dQ (no split: the fused dQ's order is per kv head)."""
+@pytest.mark.parametrize("causal,over_fused,batch", [(True, True, 2), (True, False, 2), (False, True, 2),
+                                                    (False, True, 1), (False, False, 1)],
+                         ids=["causal", "causal-fused", "full", "full-alone", "full-alone-fused"])
+def test_kv_split_over_fused(monkeypatch, causal, over_fused, batch):
+    """configs.KV_SPLIT_OVER_FUSED: a call the table fuses (GROUP 16 past FUSED_DQ_GRID_FIRST's length)
+    whose launch splits its kv heads takes the split kernels, KV_SPLIT on the Gluon dK/dV kernel: causal,
+    2 sequences x 33 key blocks on 128 "SMs" (under one wave); without a mask one sequence alone (33
+    programs: kv_split_alone splits them within one wave), while 2 sequences (66 programs) do not split
+    without a mask and keep the fused dQ. With the switch off, the fused dQ (no split: the fused dQ's
+    order is per kv head)."""
     from tritonattn.kernels import launch, plan
 
     monkeypatch.setattr(configs, "KV_SPLIT_OVER_FUSED", over_fused)
+    monkeypatch.setattr(configs, "KV_SPLIT_ALONE_WAVES", (1, 1))
     monkeypatch.setattr(bwd, "GLUON", True)
     monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
@@ -777,16 +781,20 @@ def test_kv_split_over_fused(monkeypatch, causal, over_fused):
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, kwargs)))
     S = configs.FUSED_DQ_GRID_FIRST[128][1] + 7
     assert configs.fused_dq_serves(128, causal, S, 16)
-    q, k, v = qkv(B=2, Sq=S, Sk=S, Hq=16, Hkv=1)
+    q, k, v = qkv(B=batch, Sq=S, Sk=S, Hq=16, Hkv=1)
     plan.clear()
-    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(2, 16, S),
+    bwd.attention_backward(torch.empty_like(q), q, k, v, torch.empty_like(q), torch.empty(batch, 16, S),
                            Variants(softmax_scale=SCALE, win_right=0 if causal else None))
     names = [name for name, _ in seen]
-    split = causal and over_fused
+    blocks = -(-S // bwd.bwd_sm90.block_n(128))
+    want = (configs.kv_split(causal, 16, blocks * batch, 128) if batch > 1 else
+            configs.kv_split_alone(causal, 16, S, 1, bwd.bwd_sm90.block_n(128), 128))
+    assert (want > 1) == (batch == 1 or causal), want
+    split = over_fused and want > 1
     assert names == (["_bwd_dq_kernel", "_bwd_dkdv_ws_kernel", "_bwd_kv_sum_kernel"] if split else
                      ["_bwd_preprocess_kernel", "_bwd_dkdv_ws_kernel", "_bwd_dq_convert_kernel"]), names
     kw = seen[1][1]
-    assert kw["FUSED_DQ"] != split and kw.get("KV_SPLIT", 1) == (configs.kv_split(True, 16, 66, 128) if split else 1)
+    assert kw["FUSED_DQ"] != split and kw.get("KV_SPLIT", 1) == (want if split else 1)
 
 
 def test_backward_without_gluon_module(monkeypatch):

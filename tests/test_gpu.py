@@ -250,10 +250,10 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     programs = -(-Sk // bwd.bwd_sm90.block_n(D)) * B * Hkv  # (the Gluon dK/dV launch: FUSED_DQ_MASKED_WAVES)
     sms = launch.sm_count(q.device)
     fused = gluon_bwd and configs.fused_dq_serves(D, causal, max(Sq, Sk), Hq // Hkv, programs, sms)
-    # (with a mask, a launch that splits its kv heads takes the split kernels: configs.KV_SPLIT_OVER_FUSED)
+    # (a launch that splits its kv heads takes the split kernels: configs.KV_SPLIT_OVER_FUSED)
     split = bwd._kv_split(None, causal, Hq // Hkv, programs, sms, B, max(Sq, Sk), Hkv,
                           bwd.bwd_sm90.block_n(D)) if gluon_bwd else 1
-    fused = fused and not (causal and split > 1 and configs.KV_SPLIT_OVER_FUSED)
+    fused = fused and not (split > 1 and configs.KV_SPLIT_OVER_FUSED)
     assert ("_bwd_kv_sum_kernel" in names) == (gluon_bwd and not fused and split > 1), names
     assert ("_bwd_dq_convert_kernel" in names) == fused and ("_bwd_dq_kernel" in names) != fused, names
     check_against_reference(q, k, v, out, lse, grads, dout, causal)

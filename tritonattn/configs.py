@@ -524,11 +524,14 @@ KV_SPLIT_WAVES = (1, 4)
 # 8 x 2048 causal (1,2) 0.86x, (1,1) 1.05x; non-causal unchanged (the fused dQ serves). (1,1): no
 # packed call loses, and the short sequence alone gains most.
 KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = (1, 1)
-# With a mask, a call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV
-# kernel with KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's
-# programs have the same imbalance, and no split (thirtieth session, H100, bwd_flags.py --group 16
-# causal, fa shape: the split kernels with KV_SPLIT 1.35x / 1.36x the fused dQ at 4096 / 8192, and
-# 1.08x without KV_SPLIT; KV_SPLIT itself 1.19x at 2048, where the split kernels served already).
+# A call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV kernel with
+# KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's programs leave
+# SMs idle (and with a mask have the same imbalance), and the fused dQ does not split (its order is per
+# kv head). Thirtieth session, H100, bwd_flags.py --group 16 causal, fa shape: the split kernels with
+# KV_SPLIT 1.35x / 1.36x the fused dQ at 4096 / 8192, and 1.08x without KV_SPLIT; KV_SPLIT itself
+# 1.19x at 2048, where the split kernels served already. Thirty-first session, H100, one sequence
+# alone without a mask (GQA 16, 2048 / 8192): the split kernels with KV_SPLIT_ALONE_WAVES (1,1)
+# 4.76x / 1.60x the fused dQ (until then the switch held with a mask only).
 KV_SPLIT_OVER_FUSED = True
 
 

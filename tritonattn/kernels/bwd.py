@@ -785,8 +785,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             elif atomic_dq or fused_mode == "all" or (
                     fused_mode and configs.fused_dq_serves(D, var.win_right is not None, longest, Hq // Hkv,
                                                            dkdv_programs, sms)
-                    # with a mask, a launch that splits its kv heads takes the split kernels (configs.KV_SPLIT_WAVES)
-                    and not (var.win_right is not None and kv_split_of(longest) > 1 and configs.KV_SPLIT_OVER_FUSED)):
+                    # a launch that splits its kv heads takes the split kernels (configs.KV_SPLIT_OVER_FUSED)
+                    and not (kv_split_of(longest) > 1 and configs.KV_SPLIT_OVER_FUSED)):
                 return GLUON_FUSED_ROUTE
             else:
                 split = kv_split_of(longest)
