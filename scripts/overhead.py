@@ -74,6 +74,11 @@ def main() -> int:
         "torch SDPA flash fwd (peer)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
                                                                                enable_gqa=True),
         "torch SDPA flash fwd+bwd (peer)": sdpa_fwd_bwd,
+        # each call waits for its kernels: host and device time in series (against the row above
+        # without the wait: whether the tiny kernels' device time, not the host, bounds fwd+bwd)
+        "flash_attn_func fwd+bwd, synchronised after each call": lambda: (fwd_bwd(), torch.cuda.synchronize()),
+        "torch SDPA flash fwd+bwd (peer), synchronised after each call": lambda: (
+            sdpa_fwd_bwd(), torch.cuda.synchronize()),
     }
     class _Floor(torch.autograd.Function):
         """The autograd engine's floor with a Python backward on CUDA tensors: one copy forward, the
@@ -114,35 +119,46 @@ def main() -> int:
         """A setting: ``obj.name`` replaced by ``value`` while it is on."""
         return functools.partial(mock.patch.object, obj, name, value)
 
-    # as before 2026-11-30: Triton's empty hook chains passed to the launcher (metadata built)
-    hook_chains_passed = swapped(launch, "_hook", lambda h: h)
+    # as before the thirty-third session: a replay passes the tensors to Triton's launcher, not
+    # their addresses (plan.POINTERS)
+    tensors_passed = swapped(plan, "POINTERS", False)
     # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
     plans_off = swapped(plan, "replay", lambda key, inputs, device: None)
     # a replayed call's cached launches do nothing: what is left is its Python and allocations
-    launch_stubbed = swapped(launch, "run_cached", lambda entry, grid, args: None)
+    launch_stubbed = swapped(launch, "run_cached", lambda entry, grid, args, index=None: None)
 
     # the forward's parts beside it: its cached launch alone, replayed with the arguments a replay
     # passed (Triton's C launcher and the driver), and its two allocations alone
     for _ in range(3):  # the plan, then its compiled entries (kept from the second replay on)
         tritonattn.flash_attn_func(q, k, v, causal=True)
-    recorded, real_run = [], launch.run_cached
-    launch.run_cached = lambda entry, grid, args: recorded.append((entry, grid, args))
-    try:
-        tritonattn.flash_attn_func(q, k, v, causal=True)
-    finally:
-        launch.run_cached = real_run
-    if len(recorded) == 1:
-        cases["flash_attn_func fwd: its cached launch alone (C launcher, driver)"] = lambda: real_run(*recorded[0])
-    else:
-        print(f"{len(recorded)} cached launches recorded for the forward (expected 1): no launch-alone row")
+    real_run = launch.run_cached
+    kept = []  # the recorded calls' outputs, alive while their addresses are launched into
+
+    def record(pointers: bool) -> list:
+        recorded = []
+        launch.run_cached = lambda entry, grid, args, index=None: recorded.append((entry, grid, args, index))
+        try:
+            with mock.patch.object(plan, "POINTERS", pointers):
+                kept.append(tritonattn.flash_attn_func(q, k, v, causal=True))
+        finally:
+            launch.run_cached = real_run
+        return recorded
+
+    for pointers, row in ((True, "addresses"), (False, "tensors")):
+        recorded = record(pointers)
+        if len(recorded) == 1:
+            cases[f"flash_attn_func fwd: its cached launch alone (C launcher, driver; {row})"] = (
+                functools.partial(real_run, *recorded[0]))
+        else:
+            print(f"{len(recorded)} cached launches recorded for the forward (expected 1): no launch-alone row")
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     cases["flash_attn_func fwd: its two allocations alone (out, lse)"] = lambda: (
         torch.empty_like(q), torch.empty(lse_shape, device=dev))
 
-    settings = {"default": contextlib.nullcontext, "empty hook chains passed": hook_chains_passed,
+    settings = {"default": contextlib.nullcontext, "tensors passed": tensors_passed,
                 "launch plans off": plans_off, "launch stubbed": launch_stubbed}
     only = {"launch stubbed": ("flash_attn_func fwd (no grad)", "attention_forward launcher alone"),
-            "empty hook chains passed": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
+            "tensors passed": ("flash_attn_func fwd (no grad)", "flash_attn_func fwd+bwd",
                                          "flash_attn_with_kvcache (Sq=1, int seqlens)",
                                          "attention_backward launcher alone (no autograd)",
                                          "attention_forward launcher alone"),

@@ -176,3 +176,34 @@ def test_backward_gets_no_zero_gradients(monkeypatch):
     assert seen == [(False, None, None)], seen
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(g.abs().sum() > 0 for g in grads)
     assert real(None, None, None, None) == (None,) * 7
+
+
+def test_autograd_entry_without_and_with_functorch(monkeypatch):
+    """The eager call enters autograd through Function.apply's C entry (host time), with what
+    Function.apply does first kept: a dead functorch wrapper (a tensor leaked out of a transform)
+    is unwrapped, and its call gives the plain tensor's output and gradients. Under a functorch
+    transform the call goes through Function.apply, which says what the Function lacks there."""
+    from tritonattn import interface, ops
+
+    q, k, v = _qkv()
+    leaked = []
+    torch.func.grad(lambda x: leaked.append(x) or x.sum())(q.clone().requires_grad_())
+    (dead,) = leaked
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    k1, k2 = k.clone().requires_grad_(), k.clone().requires_grad_()
+    out_dead = flash_attn_func(dead, k1, v, causal=True)
+    out = flash_attn_func(q, k2, v, causal=True)
+    assert torch.equal(out_dead, out)
+    out_dead.sum().backward()
+    out.sum().backward()
+    assert torch.equal(k1.grad, k2.grad)
+
+    applied = []
+    real = ops.FlashAttnFunction.apply
+    monkeypatch.setattr(ops.FlashAttnFunction, "apply", lambda *a: applied.append(1) or real(*a))
+    flash_attn_func(q, k2, v, causal=True)
+    assert applied == []  # eager: the C entry
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: flash_attn_func(x, k, v, causal=True).sum())(q)
+    assert applied == [1]
+    assert interface._function_apply.__self__ is ops.FlashAttnFunction

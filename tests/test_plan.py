@@ -201,3 +201,62 @@ def test_launches_of_a_failed_group_are_not_recorded(monkeypatch):
         b.launch("dv-small", (1,), (x,), {})
         b.launch("dk-small", (1,), (x,), {})
     assert [entry[0] for entry in b.launches] == ["first", "dv-small", "dk-small"]
+
+
+@pytest.mark.parametrize("setting", ["addresses", "hooked", "pointers-off"])
+def test_gpu_replay_passes_addresses(monkeypatch, setting):
+    """A replay on a GPU (its branch run here with the launches faked): the first replay of an
+    alignment launches the tensors and keeps the compiled entries; later replays pass each launch's
+    arguments with every tensor replaced by its address (plan.POINTERS), on the plan's device, or
+    the tensors where a launch hook (a profiler) is set or POINTERS is off. A misaligned input
+    takes another entry."""
+    from types import SimpleNamespace
+
+    from tritonattn.kernels import launch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _randn(gen, 2, 37, 4, 40), _randn(gen, 2, 53, 2, 40), _randn(gen, 2, 53, 2, 40)
+    plan.clear()
+    torch.manual_seed(0)
+    flash_attn_func(q, k, v, causal=True, dropout_p=0.1)  # records the plan (the seed an input too)
+    (p,) = plan._plans.values()
+    p.allocs = tuple((lambda shape, dtype, device: torch.empty(shape, dtype=dtype), shape, dtype)
+                     for _, shape, dtype in p.allocs)  # (the fake device below allocates nowhere)
+    device = SimpleNamespace(type="cuda", index=3)
+    launched, cached = [], []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: launched.append((fn, grid, args, kwargs)))
+    monkeypatch.setattr(launch, "cached", lambda fn, grid, args, kwargs: cached.append(fn) or ("entry", fn))
+    monkeypatch.setattr(launch, "run_cached", lambda entry, grid, args, index=None: replayed.append(
+        (entry, grid, args, index)))
+    monkeypatch.setattr(launch, "hooked", lambda: setting == "hooked")
+    monkeypatch.setattr(plan, "POINTERS", setting != "pointers-off")
+    seed = torch.tensor([5], dtype=torch.int64)
+    inputs = (q, k, v, None, None, None, seed, *[None] * 6)
+    replayed: list = []
+    out = p.run(inputs, device)
+    assert len(launched) == len(p.launches) >= 1 and not replayed  # the first: Triton's path, kept
+    assert all(isinstance(a, torch.Tensor) for _, _, args, _ in launched for a in args if not isinstance(
+        a, (int, float, bool, type(None))))
+    tensors_of = {id(t): t for t in (q, k, v, seed, *out)}
+    for _, _, args, _ in launched:  # every tensor argument is an input or an output of the replay
+        assert all(id(a) in tensors_of for a in args if isinstance(a, torch.Tensor))
+    out2 = p.run(inputs, device)
+    assert len(replayed) == len(launched)
+    # what each tensor of the first replay stands for in the second: an input itself, an output
+    # the second replay's own
+    now = {id(t): t for t in (q, k, v, seed)}
+    now.update({id(a): b for a, b in zip(out, out2)})
+    for (fn, grid, args, _), (entry, grid2, args2, index) in zip(launched, replayed):
+        assert entry == ("entry", fn) and grid2 == grid and index == 3 and len(args2) == len(args)
+        for a, b in zip(args, args2):
+            if not isinstance(a, torch.Tensor):
+                assert type(a) is type(b) and a == b
+            elif setting == "addresses":
+                assert type(b) is int and b == now[id(a)].data_ptr()
+            else:
+                assert b is now[id(a)]
+    # an input 2 bytes off 16: another compiled entry, taken through Triton's path first
+    q_odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    n = len(launched)
+    p.run((q_odd, *inputs[1:]), device)
+    assert len(launched) == 2 * n and len(p.compiled) == 2

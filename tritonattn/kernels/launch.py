@@ -176,11 +176,22 @@ def cached(fn, grid, args: tuple, kwargs: dict):
     return _cache.get(_key(fn, grid, args, kwargs))
 
 
-def run_cached(entry, grid, args: tuple) -> None:
-    """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured), on the device
-    of ``args[0]`` (the entry's kernel was loaded there: the cache key holds the device)."""
-    index = args[0].device.index
+def run_cached(entry, grid, args: tuple, index: int | None = None) -> None:
+    """Launch a cached entry: straight to Triton's C launcher (launch hooks honoured), on device
+    ``index``, by default that of ``args[0]`` (the entry's kernel was loaded there: the cache key
+    holds the device). Pointer arguments may be tensors or their addresses (ints; launch plans pass
+    those where no hook is set: Triton's launcher takes an int as it is, and asks the driver about
+    a tensor's pointer)."""
+    if index is None:
+        index = args[0].device.index
     _on_device(index, _run_here, entry, grid, args, index)
+
+
+def hooked() -> bool:
+    """Whether Triton's launch enter or exit hook (a profiler) is set: it gets each launch's
+    metadata, built from the launch's arguments (tensors, then)."""
+    hooks = triton.knobs.runtime
+    return _hook(hooks.launch_enter_hook) is not None or _hook(hooks.launch_exit_hook) is not None
 
 
 def _hook(h):
