@@ -87,6 +87,9 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "alibi_slopes must be float32"),
     (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
     (dict(alibi_slopes=[1.0, 2.0]), TypeError, "alibi_slopes must be a torch.Tensor"),
+    (dict(causal="no"), TypeError, "causal must be a bool, got 'no'"),  # (a truthy string: causal)
+    (dict(causal=2), TypeError, "causal must be a bool"),
+    (dict(deterministic=None), TypeError, "deterministic must be a bool, got None"),
 ])
 def test_bad_variant_options(kwargs, error, what):
     q, k, v = _qkv()

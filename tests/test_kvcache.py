@@ -155,6 +155,35 @@ def test_kvcache_bad_input():
         flash_attn_with_kvcache(q, *_cache(3, 32, 2, 16))
 
 
+def test_kvcache_rows_and_pages_out_of_the_cache(monkeypatch):
+    """cache_batch_idx rows and the block_table pages a call reads or writes must lie in the cache
+    (else the kernel reads, and the append writes, out of bounds): checked on CPU tensors and with
+    TRITONATTN_DEBUG=1, on remembered signatures too; pages a row does not use may hold anything."""
+    monkeypatch.setenv("TRITONATTN_DEBUG", "1")
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16)
+    kc, vc = _cache(3, 32, 2, 16)
+    for rows in ([0, 2], [2, 1]):  # in range: runs (the second call replays a remembered signature)
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, cache_batch_idx=torch.tensor(rows, **i32))
+    for rows in ([0, 3], [-1, 1]):
+        with pytest.raises(ValueError, match="cache_batch_idx must index rows of k_cache"):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, cache_batch_idx=torch.tensor(rows, **i32))
+    pc, pv = _cache(4, 16, 2, 16)  # 4 pages of 16 keys
+    kn = torch.randn(2, 1, 2, 16, device=DEVICE).to(F16)
+    lens = torch.tensor([16, 17], **i32)
+    # row 0 reads page 0 only (16 keys); row 1 reads pages 2 and 3 (17 keys): the 99 is never read
+    ok = torch.tensor([[0, 99], [2, 3]], **i32)
+    for _ in range(2):
+        flash_attn_with_kvcache(q, pc, pv, cache_seqlens=lens, block_table=ok)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 99 is not a page of k_cache \(num_blocks = 4\)"):
+        # a new token at row 16 of sequence 0: its second page is written
+        flash_attn_with_kvcache(q, pc, pv, kn, kn.clone(), cache_seqlens=lens, block_table=ok)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -2 is not a page"):
+        flash_attn_with_kvcache(q, pc, pv, cache_seqlens=lens, block_table=torch.tensor([[0, 1], [-2, 3]], **i32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 4 is not a page"):
+        flash_attn_with_kvcache(q, pc, pv, cache_seqlens=lens, block_table=torch.tensor([[0, 1], [2, 4]], **i32))
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
 @pytest.mark.parametrize("Sq,causal,extra", [(1, True, {}), (4, True, dict(softcap=15.0)), (2, False, dict(alibi=True)),
                                              (3, True, dict(window_size=(40, 0)))],

@@ -203,6 +203,18 @@ def flash_attn_with_kvcache(
                              f"{seqlens.tolist()}")
         if rotary_cos is not None and int((seqlens - start).max()) + max(n_new, Sq) > rotary_cos.shape[0]:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions are too short")
+        # rows and pages the call reads or writes must lie in the cache (else reads out of bounds)
+        if batch_idx is not None and bool(((batch_idx < 0) | (batch_idx >= k_cache.shape[0])).any()):
+            raise ValueError(f"cache_batch_idx must index rows of k_cache (0 <= i < {k_cache.shape[0]}), got "
+                             f"{batch_idx.tolist()}")
+        if paged:  # the pages of rows [cache_leftpad, cache_seqlens + new) of each batch row
+            first = torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size
+            used = (first < (seqlens + n_new)[:, None]) & (first + page_size > start[:, None])
+            bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+            if bool(bad.any()):
+                b, j = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k_cache "
+                                 f"(num_blocks = {k_cache.shape[0]})")
 
     if compiling:
         seqlens_t, seqlens_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else \

@@ -83,6 +83,9 @@ def _check_options(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, c
         ok = False
     if not ok:
         raise ValueError(f"window_size must be two integers >= -1 (-1: unbounded), got {window_size!r}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if flag not in (True, False):  # (1 / 0 and numpy bools pass: they equal one)
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     if causal:
         right = 0  # flash-attn: causal is a window with no keys to the right of the diagonal
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < math.inf:
