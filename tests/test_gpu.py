@@ -676,7 +676,10 @@ def test_varlen_fused_dq_bitwise_equals_dense_on_gpu(D, poison, monkeypatch):
     """A packed call without a mask whose sequences straddle the fused dQ's length
     (configs.FUSED_DQ_MIN_SEQLEN): the long ones through the Gluon kernel computing dQ too, the
     others through the dQ kernel and the Gluon / Triton dK/dV kernels; every sequence bitwise what
-    its own dense call gives (which takes the same path), and within the reference's tolerance."""
+    its own dense call gives (which takes the same path), and within the reference's tolerance.
+    No KV_SPLIT: a split call takes the split kernels over the fused dQ (configs.KV_SPLIT_OVER_FUSED),
+    which these GQA 4 sequences would then all take."""
+    monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "1")
     plan.clear()
     first = configs.FUSED_DQ_MIN_SEQLEN[D][0]
     lens = [first + 100, 700, 1, 2100, first, 0, 333, first - 1]

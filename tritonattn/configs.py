@@ -521,8 +521,9 @@ KV_SPLIT_WAVES = (1, 4)
 # None: off (one sequence alone and packed sequences never split unless TRITONATTN_BWD_KV_SPLIT says).
 # Measured (thirty-first session, H100, bwd_flags.py --group 16 fa shape D=128, backward graph replays,
 # x off): B=1 causal 2048 (1,2) 2.86x, (1,1) 3.76x; B=1 causal 8192 (1,2) 2.53x, (1,1) 2.09x; packed
-# 8 x 2048 causal (1,2) 0.86x, (1,1) 1.05x; non-causal unchanged (the fused dQ serves). (1,1): no
-# packed call loses, and the short sequence alone gains most.
+# 8 x 2048 causal (1,2) 0.86x, (1,1) 1.05x; non-causal unchanged then (the fused dQ served; since
+# KV_SPLIT_OVER_FUSED holds without a mask too, the split kernels serve). (1,1): no packed call
+# loses, and the short sequence alone gains most.
 KV_SPLIT_ALONE_WAVES: tuple[int, int] | None = (1, 1)
 # A call whose kv heads split takes the split kernels (the dQ kernel, the Gluon dK/dV kernel with
 # KV_SPLIT) even where fused_dq_serves says the fused dQ: under one wave the fused dQ's programs leave
