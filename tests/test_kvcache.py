@@ -151,8 +151,26 @@ def test_kvcache_bad_input():
         kn = torch.randn(2, 1, 2, 16, device=DEVICE).to(F16)
         flash_attn_with_kvcache(q, kc, vc, kn, kn.clone(), cache_seqlens=torch.tensor([3, 32], dtype=torch.int32,
                                                                                       device=DEVICE))
-    with pytest.raises(ValueError, match="k_cache holds 3 rows but q has batch 2"):
-        flash_attn_with_kvcache(q, *_cache(3, 32, 2, 16))
+    with pytest.raises(ValueError, match="k_cache holds 1 rows, fewer than q's batch 2"):
+        flash_attn_with_kvcache(q, *_cache(1, 32, 2, 16))
+
+
+def test_cache_of_more_rows_than_the_batch(poison):
+    """Without cache_batch_idx batch row b uses cache row b, in a cache of any number of rows >= the
+    batch (flash-attn's; a serving engine's cache sized for its largest batch): the same output as
+    the cache cut to the batch's rows, new tokens appended there and the other rows untouched."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16)
+    kc, vc = _cache(5, 32, 2, 16)
+    kn, vn = (torch.randn(2, 1, 2, 16, device=DEVICE).to(F16) for _ in range(2))
+    lens = torch.tensor([7, 20], dtype=torch.int32, device=DEVICE)
+    k0, v0 = kc.clone(), vc.clone()
+    kcut, vcut = kc[:2].clone(), vc[:2].clone()
+    out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens)
+    expected = flash_attn_with_kvcache(q, kcut, vcut, kn, vn, cache_seqlens=lens)
+    assert torch.equal(out, expected)
+    assert torch.equal(kc[:2], kcut) and torch.equal(vc[:2], vcut)
+    assert torch.equal(kc[2:], k0[2:]) and torch.equal(vc[2:], v0[2:])
 
 
 def test_kvcache_rows_and_pages_out_of_the_cache(monkeypatch):

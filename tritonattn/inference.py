@@ -158,8 +158,10 @@ def flash_attn_with_kvcache(
         # the shared shape / dtype / head checks, on the cache seen as (batch, capacity, Hkv, D)
         _check_qkv(q, _CacheView(B, capacity, k_cache), _CacheView(B, capacity, v_cache),
                    names=("q", "k_cache", "v_cache"))
-        if not paged and cache_batch_idx is None and k_cache.shape[0] != B:
-            raise ValueError(f"k_cache holds {k_cache.shape[0]} rows but q has batch {B} (give cache_batch_idx)")
+        # without cache_batch_idx, batch row b uses cache row b (flash-attn's): a cache of more rows is fine
+        if not paged and cache_batch_idx is None and k_cache.shape[0] < B:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} rows, fewer than q's batch {B} (without "
+                             "cache_batch_idx, batch row b uses cache row b)")
         batch_idx = _int_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
         leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, q.device)
 
