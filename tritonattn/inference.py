@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tritonattn.interface import _check_options, _check_qkv, _check_tensor, _debug_checks, _signature
+from tritonattn.interface import _check_options, _check_pages, _check_qkv, _check_tensor, _debug_checks, _signature
 from tritonattn.kernels.decode import decode_forward
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import Variants
@@ -210,13 +210,7 @@ def flash_attn_with_kvcache(
             raise ValueError(f"cache_batch_idx must index rows of k_cache (0 <= i < {k_cache.shape[0]}), got "
                              f"{batch_idx.tolist()}")
         if paged:  # the pages of rows [cache_leftpad, cache_seqlens + new) of each batch row
-            first = torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size
-            used = (first < (seqlens + n_new)[:, None]) & (first + page_size > start[:, None])
-            bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-            if bool(bad.any()):
-                b, j = (int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k_cache "
-                                 f"(num_blocks = {k_cache.shape[0]})")
+            _check_pages(block_table, page_size, k_cache.shape[0], seqlens + n_new, "k_cache", start=start)
 
     if compiling:
         seqlens_t, seqlens_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else \

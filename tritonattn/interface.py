@@ -483,14 +483,23 @@ def _check_block_table(q, k, block_table, cu_seqlens_k) -> torch.Tensor:
         if bool((lens > capacity).any()):
             raise ValueError(f"cu_seqlens_k has a sequence of {int(lens.max())} keys but a block_table row holds "
                              f"{block_table.shape[1]} pages of {page_size} = {capacity} keys")
-        # only the pages a sequence uses are read (and checked): the rest of a row may hold anything
-        used = (torch.arange(block_table.shape[1], device=q.device)[None, :] * page_size) < lens[:, None]
-        bad = used & ((block_table < 0) | (block_table >= num_blocks))
-        if bool(bad.any()):
-            b, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k (num_blocks = "
-                             f"{num_blocks})")
+        _check_pages(block_table, page_size, num_blocks, lens, "k")
     return block_table if block_table.stride(1) == 1 else block_table.contiguous()
+
+
+def _check_pages(block_table, page_size: int, num_blocks: int, end, cache: str, start=None) -> None:
+    """Raise unless every page holding rows ``[start[b], end[b])`` of batch row b (start 0 when
+    None) is a page of the cache ``cache`` (``0 <= page < num_blocks``). Only the pages a row uses
+    are read, and checked: the rest of a row may hold anything. A device sync on CUDA."""
+    first = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
+    used = first < end[:, None]
+    if start is not None:
+        used &= first + page_size > start[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of {cache} (num_blocks = "
+                         f"{num_blocks})")
 
 
 def _set_varlen(var: Variants, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
