@@ -163,8 +163,14 @@ def in_both_program_orders(monkeypatch, run):
 def pytest_runtest_logreport(report):
     """With TRITONATTN_FAILURE_LOG set (scripts/gpu_check.sh sets it), append each failure's
     traceback to that file as it happens: a run stopped by a wall-clock limit then still says why
-    its tests failed (pytest prints tracebacks only at the end of a session)."""
+    its tests failed (pytest prints tracebacks only at the end of a session). A failure that is a
+    CUDA out-of-memory error also goes to ``<that file>.oom``, one node id a line: a dozen workers
+    share one GPU, and gpu_check.sh runs those tests again one at a time."""
     path = os.environ.get("TRITONATTN_FAILURE_LOG")
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes once
+        text = report.longreprtext
         with open(path, "a") as f:
-            f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+            f.write(f"\n===== {report.nodeid} ({report.when})\n{text[-6000:]}\n")
+        if "OutOfMemoryError" in text:
+            with open(path + ".oom", "a") as f:
+                f.write(report.nodeid + "\n")
