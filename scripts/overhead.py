@@ -49,6 +49,8 @@ def main() -> int:
     vc = torch.randn(1, 1024, 2, 64, device=dev, dtype=dt)
     q1 = torch.randn(1, 1, 4, 64, device=dev, dtype=dt)
     seqlens = torch.full((1,), 1000, dtype=torch.int32, device=dev)
+    qkv = torch.randn(1, 128, 3, 4, 64, device=dev, dtype=dt)
+    cu = torch.tensor([0, 50, 128], dtype=torch.int32, device=dev)  # two packed sequences
 
     def fwd_bwd():
         out = tritonattn.flash_attn_func(qg, kg, vg, causal=True)
@@ -65,6 +67,9 @@ def main() -> int:
         "flash_attn_func fwd+bwd": fwd_bwd,
         "flash_attn_func fwd (inputs require grad, no backward)": lambda: tritonattn.flash_attn_func(
             qg, kg, vg, causal=True),
+        "flash_attn_qkvpacked_func fwd (no grad)": lambda: tritonattn.flash_attn_qkvpacked_func(qkv, causal=True),
+        "flash_attn_varlen_func fwd (no grad, 2 sequences)": lambda: tritonattn.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 78, 78, causal=True),
         "flash_attn_with_kvcache (Sq=1, int seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
             q1, kc, vc, cache_seqlens=1000),
         "flash_attn_with_kvcache (Sq=1, tensor seqlens)": lambda: tritonattn.flash_attn_with_kvcache(

@@ -142,6 +142,67 @@ def test_checks_still_run_after_a_remembered_signature():
         flash_attn_func(q, k[..., :8], v[..., :8], softmax_scale=1, window_size=[3, -1])
 
 
+def test_packed_entry_points_remember_signatures_and_checks_still_run():
+    """The kv- / qkv-packed and varlen entry points skip their checks for a signature that passed them
+    (host time), as flash_attn_func does, each in its own part of the store: their results equal the
+    checked call's, and other shapes, dtypes, options or cu_seqlens contents still get the checks.
+    On CPU tensors the contents of cu_seqlens are checked on every call (a remembered signature holds
+    their shape only)."""
+    from tritonattn import interface
+    from tritonattn import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                            flash_attn_varlen_qkvpacked_func)
+
+    q, k, v = _qkv(B=2, Sq=8, Sk=8, Hq=4, Hkv=2)
+    kv = torch.stack([k, v], 2)
+    qkv = torch.stack([q, q.clone(), q.clone()], 2)
+    interface._VALIDATED.clear()
+    first = flash_attn_kvpacked_func(q, kv, causal=True)
+    assert len(interface._VALIDATED) == 1
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, causal=True), first)  # remembered
+    assert torch.equal(first, flash_attn_func(q, k, v, causal=True))
+    first = flash_attn_qkvpacked_func(qkv, softcap=2.0)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, softcap=2.0), first)
+    assert len(interface._VALIDATED) == 3  # flash_attn_func's, kv's and qkv's: three keys
+    with pytest.raises(ValueError, match="kv must have shape"):
+        flash_attn_kvpacked_func(q, torch.stack([k, v, v], 2), causal=True)
+    with pytest.raises(TypeError, match="kv has dtype"):
+        flash_attn_kvpacked_func(q, kv.float(), causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_kvpacked_func(q, kv, causal="yes")
+    with pytest.raises(ValueError, match="qkv must have shape"):
+        flash_attn_qkvpacked_func(qkv[:, :, :2], softcap=2.0)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_qkvpacked_func(qkv, softcap=-2.0)
+
+    # varlen: two sequences of 3 and 5 tokens
+    qp, kp, vp = q[0], k[0], v[0]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    kvp = torch.stack([kp, vp], 1)
+    qkvp = qkv[0]
+    calls = (lambda c, m=5: flash_attn_varlen_func(qp, kp, vp, c, c, m, m, causal=True),
+             lambda c, m=5: flash_attn_varlen_kvpacked_func(qp, kvp, c, c, m, m, causal=True),
+             lambda c, m=5: flash_attn_varlen_qkvpacked_func(qkvp, c, m, causal=True))
+    for call in calls:
+        first = call(cu)
+        size = len(interface._VALIDATED)
+        assert torch.equal(call(cu), first)  # remembered
+        assert len(interface._VALIDATED) == size
+        # the same shapes, other contents: checked on every call
+        with pytest.raises(ValueError, match="never decrease"):
+            call(torch.tensor([0, 6, 8], dtype=torch.int32, device=DEVICE).flip(0))
+        with pytest.raises(ValueError, match="longer than max_seqlen"):
+            call(torch.tensor([0, 1, 8], dtype=torch.int32, device=DEVICE))
+        with pytest.raises(ValueError, match="holds 8 tokens"):
+            call(torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE))
+        with pytest.raises(TypeError, match="must be int32"):
+            call(cu.long())
+        with pytest.raises(ValueError, match="max_seqlen"):
+            call(cu, True)
+    assert torch.equal(calls[1](cu), calls[0](cu))
+    with pytest.raises(ValueError, match="kv must have shape"):
+        flash_attn_varlen_kvpacked_func(qp, torch.stack([kp, vp, vp], 1), cu, cu, 5, 5, causal=True)
+
+
 def test_packed_shapes():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="qkv must have shape"):

@@ -123,14 +123,15 @@ _Tensor = torch.Tensor
 _PLAIN = (type(None), bool, int, float, str, type)
 
 
-def _signature(tensors: tuple, options: tuple) -> tuple | None:
+def _signature(tensors: tuple, options: tuple, tag: str | None = None) -> tuple | None:
     """Key of a call for remembered checks: type, shape, dtype and device of each tensor argument
     (None where absent) and the type and value of each option (types too, so that True is not taken
     for an accepted 1; a list or tuple option element by element). None when a tensor argument is
     not a plain tensor or an option (element) is not None, a bool, an int, a float, a string or a
     type (a 0-d tensor flag would hash by identity and may change in place): such calls take the
-    checks, which name what is wrong."""
-    key = []
+    checks, which name what is wrong. ``tag`` (the entry point, where it shares a store with others)
+    leads the key."""
+    key = [] if tag is None else [tag]
     for t in tensors:
         if t is None:
             key.append(None)
@@ -169,6 +170,26 @@ def _recall(key, dropout_p, q: torch.Tensor, store: dict = _VALIDATED) -> Varian
     if dropout_p > 0:
         var.seed = _dropout_seed(q.device)
     return var
+
+
+def _validated(key, dropout_p, t: torch.Tensor, check, *args) -> Variants:
+    """The Variants of a call: remembered for ``key`` (:func:`_recall`), or ``check(*args)``'s, which
+    raises on bad input, kept for ``key`` when it is not None."""
+    var = _recall(key, dropout_p, t)
+    if var is None:
+        var = check(*args)
+        if key is not None:
+            _remember(key, var)
+    return var
+
+
+def _options_key(tensors, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 tag=None, lengths=()):
+    """:func:`_signature` of an entry point's call, or None (checks every call) while torch.compile
+    traces or with ALiBi slopes (a tensor); ``lengths``: its max_seqlen ints."""
+    if alibi_slopes is not None or torch.compiler.is_compiling():
+        return None
+    return _signature(tensors, (*lengths, dropout_p, softmax_scale, causal, window_size, softcap, deterministic), tag)
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
@@ -252,6 +273,34 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _function_apply = super(torch.autograd.Function, FlashAttnFunction).apply
 
 
+def _check_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_qkv(q, k, v)
+    return _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          deterministic=deterministic)
+
+
+def _check_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+    _check_tensor("q", q, 4)
+    _check_tensor("kv", kv, 5)
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    _check_qkv(q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"))
+    return _check_options(q, kv[:, :, 0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          deterministic=deterministic)
+
+
+def _check_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+    _check_tensor("qkv", qkv, 5)
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    _check_qkv(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"))
+    return _check_options(qkv[:, :, 0], qkv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                          alibi_slopes, deterministic=deterministic)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,19 +342,9 @@ def flash_attn_func(
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in the input dtype, or
         ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``.
     """
-    compiling = torch.compiler.is_compiling()
-    key = None if compiling or alibi_slopes is not None else _signature(
-        (q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
-    var = _recall(key, dropout_p, q)  # None unless this exact signature passed the checks before
-    if var is None:
-        _check_tensor("q", q, 4)
-        _check_tensor("k", k, 4)
-        _check_tensor("v", v, 4)
-        _check_qkv(q, k, v)
-        var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             deterministic=deterministic)
-        if key is not None:
-            _remember(key, var)
+    key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, deterministic)
     out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v))
     return _finish(out, lse, probs, return_attn_probs)
 
@@ -326,13 +365,10 @@ def flash_attn_kvpacked_func(
 
     The gradient of ``kv`` is written packed, with no concatenation copy.
     """
-    _check_tensor("q", q, 4)
-    _check_tensor("kv", kv, 5)
-    if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
-    _check_qkv(q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"))
-    var = _check_options(q, kv[:, :, 0], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         deterministic=deterministic)
+    key = _options_key((q, kv), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                       "kv")
+    var = _validated(key, dropout_p, q, _check_kvpacked, q, kv, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, deterministic)
     return_probs = return_attn_probs and dropout_p > 0
     out, lse, probs = _apply("kv", var, return_probs, (q, kv, None))
     return _finish(out, lse, probs, return_attn_probs)
@@ -353,12 +389,10 @@ def flash_attn_qkvpacked_func(
 
     The gradient of ``qkv`` is written packed, with no concatenation copy.
     """
-    _check_tensor("qkv", qkv, 5)
-    if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
-    _check_qkv(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"))
-    var = _check_options(qkv[:, :, 0], qkv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                         alibi_slopes, deterministic=deterministic)
+    key = _options_key((qkv,), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                       "qkv")
+    var = _validated(key, dropout_p, qkv, _check_qkvpacked, qkv, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, deterministic)
     return_probs = return_attn_probs and dropout_p > 0
     out, lse, probs = _apply("qkv", var, return_probs, (qkv, None, None))
     return _finish(out, lse, probs, return_attn_probs)
@@ -446,6 +480,43 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         longest = int(lens.max().item())
         if longest > max_len:
             raise ValueError(f"{name} has a sequence of {longest} tokens, longer than {max_name} = {max_len}")
+
+
+def _check_varlen_call(q, kv, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic) -> Variants:
+    """The checks of flash_attn_varlen_func (``packing`` None: ``kv`` is ``(k, v)``), its kvpacked
+    (``"kv"``: ``kv`` (total_k, 2, Hkv, D)) and qkvpacked (``"qkv"``: ``kv`` (total, 3, H, D), ``q``
+    None) forms; their Variants."""
+    if packing != "qkv":
+        _check_tensor("q", q, 3)
+    if packing is None:
+        k, v = kv
+        _check_tensor("k", k, 3)
+        _check_tensor("v", v, 3)
+        names = ("q", "k", "v")
+    else:
+        n = 2 if packing == "kv" else 3
+        _check_tensor(packing, kv, 4)
+        if kv.shape[1] != n:
+            shape = "(total_k, 2, nheads_k, headdim)" if n == 2 else "(total, 3, nheads, headdim)"
+            raise ValueError(f"{packing} must have shape {shape}, got {tuple(kv.shape)}")
+        if q is None:
+            q = kv[:, 0]
+        k, v = kv[:, n - 2], kv[:, n - 1]
+        names = ("q", "kv", "kv") if n == 2 else ("qkv", "qkv", "qkv")
+    _check_qkv(q[None], k[None], v[None], names=names)
+    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
+
+
+def _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """A remembered varlen signature does not cover the contents of ``cu_seqlens``: where they are
+    checked (CPU tensors; CUDA with TRITONATTN_DEBUG=1) they are checked on every call. (A call that
+    was not remembered, ``key`` None, took every check already; on a signature's first call they run
+    twice.) ``q`` / ``k``: their first dims are the token counts (a packed tensor's are its own)."""
+    if key is not None and (q.device.type == "cpu" or _debug_checks()):
+        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _check_paged_cache(k, v) -> None:
@@ -575,22 +646,22 @@ def flash_attn_varlen_func(
         ``(nheads, total_q)`` float32 and S_dmask ``(batch, nheads, max_seqlen_q, max_seqlen_k)``
         with dropout (``None`` without).
     """
-    _check_tensor("q", q, 3)
-    paged = block_table is not None
-    if paged:
+    if block_table is not None:
+        _check_tensor("q", q, 3)
         _check_paged_cache(k, v)
         _check_qkv(q[None], k[:1], v[:1])  # one page seen as a batch row: dtype, device, head dims
-    else:
-        _check_tensor("k", k, 3)
-        _check_tensor("v", v, 3)
-        _check_qkv(q[None], k[None], v[None])
-    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged=paged)
-    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
-    if paged:
+        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged=True)
+        var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
         block_table = _check_block_table(q, k, block_table, cu_seqlens_k)
         return _paged_varlen_call(var, q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   return_attn_probs)
+    lengths = (max_seqlen_q, max_seqlen_k)
+    key = _options_key((q, k, v, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, "varlen", lengths)
+    var = _validated(key, dropout_p, q, _check_varlen_call, q, (k, v), None, cu_seqlens_q, cu_seqlens_k, *lengths,
+                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
     return _varlen_call("none", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, k, v))
 
@@ -613,15 +684,12 @@ def flash_attn_varlen_kvpacked_func(
 ) -> Returned:
     """As :func:`flash_attn_varlen_func` with ``kv`` ``(total_k, 2, nheads_k, headdim)``; the
     gradient of ``kv`` is written packed."""
-    _check_tensor("q", q, 3)
-    _check_tensor("kv", kv, 4)
-    if kv.shape[1] != 2:
-        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
-    k, v = kv[:, 0], kv[:, 1]
-    _check_qkv(q[None], k[None], v[None], names=("q", "kv", "kv"))
-    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
+    lengths = (max_seqlen_q, max_seqlen_k)
+    key = _options_key((q, kv, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, "varlen-kv", lengths)
+    var = _validated(key, dropout_p, q, _check_varlen_call, q, kv, "kv", cu_seqlens_q, cu_seqlens_k, *lengths,
+                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    _check_contents(key, q, kv, cu_seqlens_q, cu_seqlens_k, *lengths)
     return _varlen_call("kv", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, kv, None))
 
@@ -641,14 +709,11 @@ def flash_attn_varlen_qkvpacked_func(
 ) -> Returned:
     """As :func:`flash_attn_varlen_func` with ``qkv`` ``(total, 3, nheads, headdim)`` and one
     ``cu_seqlens`` / ``max_seqlen`` for queries and keys; the gradient of ``qkv`` is written packed."""
-    _check_tensor("qkv", qkv, 4)
-    if qkv.shape[1] != 3:
-        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
-    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    _check_qkv(q[None], k[None], v[None], names=("qkv", "qkv", "qkv"))
-    _check_varlen(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens.shape[0] - 1, deterministic=deterministic)
+    key = _options_key((qkv, cu_seqlens), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, "varlen-qkv", (max_seqlen,))
+    var = _validated(key, dropout_p, qkv, _check_varlen_call, None, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen,
+                     max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    _check_contents(key, qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return _varlen_call("qkv", var, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
                         (qkv, None, None))
 
