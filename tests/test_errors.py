@@ -148,9 +148,12 @@ def test_packed_entry_points_remember_signatures_and_checks_still_run():
     checked call's, and other shapes, dtypes, options or cu_seqlens contents still get the checks.
     On CPU tensors the contents of cu_seqlens are checked on every call (a remembered signature holds
     their shape only)."""
-    from tritonattn import interface
-    from tritonattn import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
-                            flash_attn_varlen_qkvpacked_func)
+    from tritonattn import (
+        flash_attn_varlen_func,
+        flash_attn_varlen_kvpacked_func,
+        flash_attn_varlen_qkvpacked_func,
+        interface,
+    )
 
     q, k, v = _qkv(B=2, Sq=8, Sk=8, Hq=4, Hkv=2)
     kv = torch.stack([k, v], 2)
@@ -199,6 +202,16 @@ def test_packed_entry_points_remember_signatures_and_checks_still_run():
         with pytest.raises(ValueError, match="max_seqlen"):
             call(cu, True)
     assert torch.equal(calls[1](cu), calls[0](cu))
+    # with dropout, a remembered signature's rejected call draws no seed (the random state is left
+    # as the full checks leave it: they raise before the seed is drawn)
+    drop = lambda c: flash_attn_varlen_func(qp, kp, vp, c, c, 5, 5, dropout_p=0.5)  # noqa: E731
+    drop(cu)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="holds 8 tokens"):
+        drop(torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(torch.rand(3), expected)
     with pytest.raises(ValueError, match="kv must have shape"):
         flash_attn_varlen_kvpacked_func(qp, torch.stack([kp, vp, vp], 1), cu, cu, 5, 5, causal=True)
 

@@ -512,10 +512,11 @@ def _check_varlen_call(q, kv, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 def _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """A remembered varlen signature does not cover the contents of ``cu_seqlens``: where they are
-    checked (CPU tensors; CUDA with TRITONATTN_DEBUG=1) they are checked on every call. (A call that
-    was not remembered, ``key`` None, took every check already; on a signature's first call they run
-    twice.) ``q`` / ``k``: their first dims are the token counts (a packed tensor's are its own)."""
-    if key is not None and (q.device.type == "cpu" or _debug_checks()):
+    checked (CPU tensors; CUDA with TRITONATTN_DEBUG=1) a call of a remembered signature checks them
+    here, before its dropout seed is drawn (as the full checks, which a signature's first call takes,
+    raise before theirs: a rejected call leaves the random state alone). ``q`` / ``k``: their first
+    dims are the token counts (a packed tensor's are its own)."""
+    if key is not None and key in _VALIDATED and (q.device.type == "cpu" or _debug_checks()):
         _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
@@ -659,9 +660,9 @@ def flash_attn_varlen_func(
     lengths = (max_seqlen_q, max_seqlen_k)
     key = _options_key((q, k, v, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
                        alibi_slopes, deterministic, "varlen", lengths)
+    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
     var = _validated(key, dropout_p, q, _check_varlen_call, q, (k, v), None, cu_seqlens_q, cu_seqlens_k, *lengths,
                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
-    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
     return _varlen_call("none", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, k, v))
 
@@ -687,9 +688,9 @@ def flash_attn_varlen_kvpacked_func(
     lengths = (max_seqlen_q, max_seqlen_k)
     key = _options_key((q, kv, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
                        alibi_slopes, deterministic, "varlen-kv", lengths)
+    _check_contents(key, q, kv, cu_seqlens_q, cu_seqlens_k, *lengths)
     var = _validated(key, dropout_p, q, _check_varlen_call, q, kv, "kv", cu_seqlens_q, cu_seqlens_k, *lengths,
                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
-    _check_contents(key, q, kv, cu_seqlens_q, cu_seqlens_k, *lengths)
     return _varlen_call("kv", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, kv, None))
 
@@ -711,9 +712,9 @@ def flash_attn_varlen_qkvpacked_func(
     ``cu_seqlens`` / ``max_seqlen`` for queries and keys; the gradient of ``qkv`` is written packed."""
     key = _options_key((qkv, cu_seqlens), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, "varlen-qkv", (max_seqlen,))
+    _check_contents(key, qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     var = _validated(key, dropout_p, qkv, _check_varlen_call, None, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen,
                      max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
-    _check_contents(key, qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return _varlen_call("qkv", var, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
                         (qkv, None, None))
 
