@@ -216,6 +216,40 @@ def test_packed_entry_points_remember_signatures_and_checks_still_run():
         flash_attn_varlen_kvpacked_func(qp, torch.stack([kp, vp, vp], 1), cu, cu, 5, 5, causal=True)
 
 
+def test_attention_entry_points_remember_signatures_and_checks_still_run():
+    """attention / attention_varlen remember the checks of q, k, v and the options (a tagged key of
+    their own); the bias and mask checks run on every call (they also lay out the mask), and so do
+    cu_seqlens contents checks on CPU."""
+    from tritonattn import attention_varlen, interface
+
+    q, k, v = _qkv(B=2, Sq=8, Sk=8, Hq=4, Hkv=2)
+    bias = torch.randn(2, 4, 8, 8, device=DEVICE)
+    interface._VALIDATED.clear()
+    first = attention(q, k, v, bias=bias, causal=True)
+    assert len(interface._VALIDATED) == 1
+    assert torch.equal(attention(q, k, v, bias=bias, causal=True), first)  # remembered
+    assert len(interface._VALIDATED) == 1
+    with pytest.raises(ValueError, match="bias of shape"):
+        attention(q, k, v, bias=bias[:, :, :3, :5], causal=True)
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        attention(q, k, v, mask=bias, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        attention(q, k, v, causal=None)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    qp, kp, vp = q[0], k[0], v[0]
+    vbias = bias[:, :, :5, :5]  # (batch, nheads, max_seqlen_q, max_seqlen_k)
+    first = attention_varlen(qp, kp, vp, cu, cu, 5, 5, bias=vbias, causal=True)
+    size = len(interface._VALIDATED)
+    assert torch.equal(attention_varlen(qp, kp, vp, cu, cu, 5, 5, bias=vbias, causal=True), first)
+    assert len(interface._VALIDATED) == size == 2
+    with pytest.raises(ValueError, match="longer than max_seqlen"):
+        attention_varlen(qp, kp, vp, torch.tensor([0, 1, 8], dtype=torch.int32, device=DEVICE), cu, 5, 5,
+                         bias=vbias, causal=True)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        attention_varlen(qp, kp, vp, cu, cu, 5, 5, key_padding_mask=torch.ones(2, 4, dtype=torch.bool),
+                         causal=True)
+
+
 def test_packed_shapes():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="qkv must have shape"):

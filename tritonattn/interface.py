@@ -434,12 +434,11 @@ def attention(
 
     For packed variable-length batches, see :func:`attention_varlen`.
     """
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_qkv(q, k, v)
-    var = _check_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
+    key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                       "attention")
+    var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, False)
+    _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)  # (every call: it also lays out the mask)
     out, lse, _ = _apply("none", var, False, (q, k, v), bias)
     return (out, lse) if return_lse else out
 
@@ -759,13 +758,12 @@ def attention_varlen(
             :func:`flash_attn_func` (causal bottom-right within each sequence).
         return_lse: also return the log-sum-exp ``(nheads, total_q)`` float32.
     """
-    _check_tensor("q", q, 3)
-    _check_tensor("k", k, 3)
-    _check_tensor("v", v, 3)
-    _check_qkv(q[None], k[None], v[None])
-    _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    var = _check_options(q[None], k[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         batch=cu_seqlens_q.shape[0] - 1)
+    lengths = (max_seqlen_q, max_seqlen_k)
+    key = _options_key((q, k, v, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, False, "attention-varlen", lengths)
+    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
+    var = _validated(key, dropout_p, q, _check_varlen_call, q, (k, v), None, cu_seqlens_q, cu_seqlens_k, *lengths,
+                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False)
     _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
     out, lse, _ = _apply("none", var, False, (q, k, v), bias)
