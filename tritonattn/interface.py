@@ -509,14 +509,22 @@ def _check_varlen_call(q, kv, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
 
 
-def _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """A remembered varlen signature does not cover the contents of ``cu_seqlens``: where they are
+def _varlen_validated(tag, q, kv, packing, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic) -> Variants:
+    """:func:`_validated` for the varlen entry points (arguments as :func:`_check_varlen_call`; ``tag``
+    their key's). A remembered signature does not cover the contents of ``cu_seqlens``: where they are
     checked (CPU tensors; CUDA with TRITONATTN_DEBUG=1) a call of a remembered signature checks them
-    here, before its dropout seed is drawn (as the full checks, which a signature's first call takes,
-    raise before theirs: a rejected call leaves the random state alone). ``q`` / ``k``: their first
-    dims are the token counts (a packed tensor's are its own)."""
-    if key is not None and key in _VALIDATED and (q.device.type == "cpu" or _debug_checks()):
-        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    first, before its dropout seed is drawn (as the full checks, which a signature's first call takes,
+    raise before theirs: a rejected call leaves the random state alone)."""
+    tensors = (q, *kv, cu_seqlens_q, cu_seqlens_k) if packing is None else (q, kv, cu_seqlens_q, cu_seqlens_k)
+    lengths = (max_seqlen_q, max_seqlen_k)
+    key = _options_key(tensors, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                       tag, lengths)
+    tokens = kv if q is None else q  # (their first dims are the token counts; a packed tensor's its own)
+    if key is not None and (tokens.device.type == "cpu" or _debug_checks()) and key in _VALIDATED:
+        _check_varlen(tokens, kv[0] if packing is None else kv, cu_seqlens_q, cu_seqlens_k, *lengths)
+    return _validated(key, dropout_p, tokens, _check_varlen_call, q, kv, packing, cu_seqlens_q, cu_seqlens_k,
+                      *lengths, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
 
 
 def _check_paged_cache(k, v) -> None:
@@ -656,12 +664,8 @@ def flash_attn_varlen_func(
         block_table = _check_block_table(q, k, block_table, cu_seqlens_k)
         return _paged_varlen_call(var, q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   return_attn_probs)
-    lengths = (max_seqlen_q, max_seqlen_k)
-    key = _options_key((q, k, v, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, "varlen", lengths)
-    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
-    var = _validated(key, dropout_p, q, _check_varlen_call, q, (k, v), None, cu_seqlens_q, cu_seqlens_k, *lengths,
-                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    var = _varlen_validated("varlen", q, (k, v), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     return _varlen_call("none", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, k, v))
 
@@ -684,12 +688,8 @@ def flash_attn_varlen_kvpacked_func(
 ) -> Returned:
     """As :func:`flash_attn_varlen_func` with ``kv`` ``(total_k, 2, nheads_k, headdim)``; the
     gradient of ``kv`` is written packed."""
-    lengths = (max_seqlen_q, max_seqlen_k)
-    key = _options_key((q, kv, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, "varlen-kv", lengths)
-    _check_contents(key, q, kv, cu_seqlens_q, cu_seqlens_k, *lengths)
-    var = _validated(key, dropout_p, q, _check_varlen_call, q, kv, "kv", cu_seqlens_q, cu_seqlens_k, *lengths,
-                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    var = _varlen_validated("varlen-kv", q, kv, "kv", cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     return _varlen_call("kv", var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs,
                         (q, kv, None))
 
@@ -709,11 +709,8 @@ def flash_attn_varlen_qkvpacked_func(
 ) -> Returned:
     """As :func:`flash_attn_varlen_func` with ``qkv`` ``(total, 3, nheads, headdim)`` and one
     ``cu_seqlens`` / ``max_seqlen`` for queries and keys; the gradient of ``qkv`` is written packed."""
-    key = _options_key((qkv, cu_seqlens), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, "varlen-qkv", (max_seqlen,))
-    _check_contents(key, qkv, qkv, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    var = _validated(key, dropout_p, qkv, _check_varlen_call, None, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen,
-                     max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    var = _varlen_validated("varlen-qkv", None, qkv, "qkv", cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     return _varlen_call("qkv", var, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, return_attn_probs,
                         (qkv, None, None))
 
@@ -758,12 +755,8 @@ def attention_varlen(
             :func:`flash_attn_func` (causal bottom-right within each sequence).
         return_lse: also return the log-sum-exp ``(nheads, total_q)`` float32.
     """
-    lengths = (max_seqlen_q, max_seqlen_k)
-    key = _options_key((q, k, v, cu_seqlens_q, cu_seqlens_k), dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, False, "attention-varlen", lengths)
-    _check_contents(key, q, k, cu_seqlens_q, cu_seqlens_k, *lengths)
-    var = _validated(key, dropout_p, q, _check_varlen_call, q, (k, v), None, cu_seqlens_q, cu_seqlens_k, *lengths,
-                     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False)
+    var = _varlen_validated("attention-varlen", q, (k, v), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False)
     _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
     out, lse, _ = _apply("none", var, False, (q, k, v), bias)
