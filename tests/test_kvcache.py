@@ -115,6 +115,113 @@ def test_apply_rotary_matches_complex_rotation():
     assert torch.allclose(got, torch.view_as_real(z).reshape(1, 5, 2, 8))
 
 
+def _rounded(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x.to(dtype)``, as a kernel rounds it: under the interpreter float32 -> bfloat16 truncates
+    (Triton 3.6's interpreter; the GPU rounds to nearest even, as torch does)."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        x = (x.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return x.to(dtype)
+
+
+def _append_reference(q, k_new, v_new, k_cache, v_cache, cos, sin, lens, leftpad, batch_idx, table, interleaved,
+                      local):
+    """What flash_attn_with_kvcache did before its append kernel, in torch ops: q rotated, the new keys
+    (rotated) and values written in place by advanced indexing. Returns q and the lengths after."""
+    B, Sq = q.shape[:2]
+    start = leftpad.long() if leftpad is not None else 0
+    if cos is not None:
+        base = (lens.long() - start)[:, None]
+        pos_q = base + (torch.arange(Sq, device=q.device)[None, :] if local else 0)
+        q = _rounded(apply_rotary(q.float(), cos, sin, pos_q.expand(B, Sq), interleaved), q.dtype)
+    if k_new is None:
+        return q, lens
+    pos = lens.long()[:, None] + torch.arange(k_new.shape[1], device=q.device)[None, :]
+    if cos is not None:
+        k_new = _rounded(apply_rotary(k_new.float(), cos, sin, pos - (start[:, None] if leftpad is not None else 0),
+                                      interleaved), k_new.dtype)
+    if table is not None:
+        page_size = k_cache.shape[1]
+        pages = table.long().gather(1, pos // page_size)
+        k_cache[pages, pos % page_size] = k_new
+        v_cache[pages, pos % page_size] = v_new
+    else:
+        rows = (batch_idx.long() if batch_idx is not None else torch.arange(B, device=q.device))[:, None]
+        k_cache[rows, pos] = k_new
+        v_cache[rows, pos] = v_new
+    return q, lens + k_new.shape[1]
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.float32, torch.bfloat16], ids=["fp16", "fp32", "bf16"])
+@pytest.mark.parametrize("D,rot", [(64, 64), (40, 16), (80, 0)], ids=["D64-rot64", "D40-rot16", "D80-norot"])
+@pytest.mark.parametrize("layout", ["contiguous", "batch-idx-leftpad", "paged16"])
+@pytest.mark.parametrize("interleaved,local", [(True, True), (False, False)], ids=["interleaved-local", "halves"])
+def test_cache_append_kernel_matches_torch_indexing(dtype, D, rot, layout, interleaved, local):
+    """The append kernel (kernels/decode.py cache_append: rotary on q and the new keys, the new keys /
+    values into the cache) against the torch ops it replaced: q, the whole cache and the lengths
+    bitwise, with non-contiguous q / new tokens / rotary tables, 1 and 3 new tokens, and a query
+    count (4) above the new tokens' (rotary q alone in the programs past them)."""
+    from tritonattn.kernels.decode import cache_append
+
+    gen = torch.Generator().manual_seed(D + rot)
+    B, Hq, Hkv, S = 3, 6, 2, 64
+    for n_new, Sq in ((1, 1), (3, 4)):
+        q = torch.randn(B, Hq, Sq, D, generator=gen).to(DEVICE, dtype).transpose(1, 2)  # non-contiguous
+        k_new = torch.randn(B, n_new, Hkv, 2 * D, generator=gen).to(DEVICE, dtype)[..., ::2]
+        v_new = torch.randn(B, n_new, Hkv, D, generator=gen).to(DEVICE, dtype)
+        cos = sin = None
+        if rot:
+            angles = torch.rand(rot, 90, generator=gen).to(DEVICE).t()[:, : rot // 2] * 6  # (90, rot / 2), strided
+            cos, sin = angles.cos().to(dtype), angles.sin()
+        lens = torch.tensor([0, 17, 60], dtype=torch.int32, device=DEVICE)
+        leftpad = batch_idx = table = None
+        if layout == "paged16":
+            k_cache = torch.randn(B * S // 16 + 1, 16, Hkv, D, generator=gen).to(DEVICE, dtype)
+            table = torch.randperm(B * S // 16, generator=gen).to(DEVICE, torch.int32).view(B, S // 16)
+        else:
+            k_cache = torch.randn(4, S, Hkv, D, generator=gen).to(DEVICE, dtype)
+            if layout == "batch-idx-leftpad":
+                batch_idx = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)
+                leftpad = torch.tensor([0, 5, 30], dtype=torch.int32, device=DEVICE)
+        v_cache = torch.randn(k_cache.shape, generator=gen).to(DEVICE, dtype)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        want_q, want_lens = _append_reference(q, k_new, v_new, kc, vc, cos, sin, lens, leftpad, batch_idx, table,
+                                              interleaved, local)
+        for _ in range(2):  # recorded, then replayed from the launch plan
+            got_k, got_v = k_cache.clone(), v_cache.clone()
+            got_q, got_lens = cache_append(q, k_new, v_new, got_k, got_v, cos, sin, lens, leftpad, batch_idx, table,
+                                           interleaved, local)
+            assert torch.equal(got_q, want_q) and torch.equal(got_lens, want_lens)
+            assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+            assert torch.equal(lens, torch.tensor([0, 17, 60], dtype=torch.int32, device=DEVICE))  # not touched
+
+
+def test_cache_append_writes_nothing_outside_the_cache():
+    """Rows past the cache's capacity, cache rows and pages out of range: not written (with
+    TRITONATTN_DEBUG=1 such calls are errors before any launch; without it the append must not
+    write out of bounds); rows in range are written as usual."""
+    from tritonattn.kernels.decode import cache_append
+
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache = _cache(3, 32, 2, 16)
+    kn, vn = (torch.randn(3, 2, 2, 16, device=DEVICE).to(F16) for _ in range(2))
+    q = torch.randn(3, 1, 4, 16, device=DEVICE).to(F16)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    # batch row 0: rows 31 (written) and 32 (past the end); row 1: cache row 5 (none); row 2: row -1
+    cache_append(q, kn, vn, kc, vc, None, None, torch.tensor([31, 3, -1], **i32), None,
+                 torch.tensor([0, 5, 1], **i32), None, True, False)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[0, 31], want_v[0, 31] = kn[0, 0], vn[0, 0]
+    want_k[1, 0], want_v[1, 0] = kn[2, 1], vn[2, 1]  # row -1 + 1 = 0 of cache row 1
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    pc, pv = _cache(4, 16, 2, 16)
+    table = torch.tensor([[0, 9], [-3, 1], [2, 3]], **i32)
+    kp, vp = pc.clone(), pv.clone()
+    cache_append(q, kn, vn, kp, vp, None, None, torch.tensor([15, 0, 40], **i32), None, None, table, True, False)
+    want_k, want_v = pc.clone(), pv.clone()
+    want_k[0, 15], want_v[0, 15] = kn[0, 0], vn[0, 0]  # its next row is on page 9: none
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+
+
 def test_checks_still_run_after_a_remembered_signature():
     """flash_attn_with_kvcache skips its checks for a signature that passed them before; an int
     cache_seqlens is still range-checked on every call, and options of another type get the checks."""

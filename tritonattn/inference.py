@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.interface import _check_options, _check_pages, _check_qkv, _check_tensor, _debug_checks, _signature
-from tritonattn.kernels.decode import decode_forward
+from tritonattn.kernels.decode import cache_append, decode_forward
 from tritonattn.kernels.fwd import attention_forward
 from tritonattn.kernels.variants import Variants
 
@@ -221,27 +221,10 @@ def flash_attn_with_kvcache(
                                   int(window_size[0]), int(window_size[1]), float(softcap),
                                   bool(rotary_interleaved), alibi_slopes, num_splits)
         return (out, lse) if return_softmax_lse else out
-    start = leftpad.long() if leftpad is not None else 0
-    if rotary_cos is not None:
-        base = (seqlens.long() - start)[:, None]
-        local = causal or tuple(window_size) != (-1, -1)
-        pos_q = base + (torch.arange(Sq, device=q.device)[None, :] if local else 0)
-        q = apply_rotary(q, rotary_cos, rotary_sin, pos_q.expand(B, Sq), rotary_interleaved)
-    if n_new:
-        pos = seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]  # (B, n_new) absolute rows
-        if rotary_cos is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, pos - (start[:, None] if leftpad is not None else 0),
-                             rotary_interleaved)
-        if paged:
-            pages = block_table.long().gather(1, pos // page_size)
-            k_cache[pages, pos % page_size] = k
-            v_cache[pages, pos % page_size] = v
-        else:
-            rows = (batch_idx.long() if batch_idx is not None else torch.arange(B, device=q.device))[:, None]
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
-
-    var.kv_lens = seqlens + n_new if n_new else seqlens
+    # rotary on q and the new keys, and the new keys / values into the cache: one kernel
+    local = var.win_left is not None or var.win_right is not None  # causal or a window
+    q, var.kv_lens = cache_append(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx,
+                                  block_table, rotary_interleaved, local)
     var.kv_leftpad, var.kv_batch_idx = leftpad, batch_idx
     if paged:
         var.use_pages(block_table, k_cache, v_cache)

@@ -153,6 +153,114 @@ def _decode_combine_kernel(
              out.to(O.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _rotated(p_x, stride_d, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half, offs_d, d_ok,
+             INTERLEAVED: tl.constexpr):
+    """Row ``p_x`` (BLOCK_D elements) in float32 with the rotary embedding of one position (``p_cos`` /
+    ``p_sin``: that position's table rows) on its first ``2 * rot_half`` dims: interleaved pairs
+    (2i, 2i + 1) or the halves (i, i + rot_half) turn by angle i. The products and the sum are
+    rounded as torch's ``inference.apply_rotary`` rounds them (launched without FMA fusion), so the
+    two agree bitwise."""
+    x = tl.load(p_x + offs_d * stride_d, mask=d_ok, other=0.0).to(tl.float32)
+    rot = offs_d < 2 * rot_half
+    if INTERLEAVED:
+        first = (offs_d % 2) == 0
+        partner = offs_d ^ 1
+        i = offs_d // 2
+    else:
+        first = offs_d < rot_half
+        partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
+        i = tl.where(first, offs_d, offs_d - rot_half)
+    x_p = tl.load(p_x + partner * stride_d, mask=rot & d_ok, other=0.0).to(tl.float32)
+    c = tl.load(p_cos + i * stride_cos_d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(p_sin + i * stride_sin_d, mask=rot, other=0.0).to(tl.float32)
+    a = x * c
+    b = x_p * s
+    return tl.where(rot, tl.where(first, a - b, a + b), x)
+
+
+@triton.jit
+def _cache_append_kernel(
+    Q, Q_OUT, K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, KV_LENS, LENS_OUT, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_kcb, stride_kcn, stride_kch, stride_kcd,
+    stride_vcb, stride_vcn, stride_vch, stride_vcd,
+    stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d, stride_bt_b,
+    T, Sq, n_new, q_heads, rot_half, rot_rows, capacity, cache_rows, page_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    LOCAL: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+    WRITE_LENS: tl.constexpr,
+):
+    """The KV cache's step before attention, in one launch: program (b * T + t, head). Heads below
+    ``q_heads`` (rotary only): query ``t`` of batch row b rotated at its position into Q_OUT. The
+    others, kv head ``head - q_heads``: new key / value ``t`` written into the cache at row
+    ``kv_lens[b] + t`` (the key rotated at that row less the left pad), in cache row
+    ``batch_idx[b]`` (or b), or through the block table. Rows, pages and table positions out of the
+    cache are not written (bad ``cache_seqlens`` are an error under TRITONATTN_DEBUG; here they
+    must not write outside the cache). WRITE_LENS: LENS_OUT[b] = kv_lens[b] + n_new, the lengths
+    attention then reads."""
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    off_b = pid // T
+    t = pid % T
+    start = 0
+    if HAS_LEFTPAD:
+        start = tl.load(KV_LEFTPAD + off_b)
+    lens = tl.load(KV_LENS + off_b)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if head < q_heads:
+        if t < Sq:
+            pos = lens - start
+            if LOCAL:  # causal or windowed: query t sits at its own position
+                pos += t
+            pos_ok = (pos >= 0) & (pos < rot_rows)
+            pos = tl.where(pos_ok, pos, 0).to(tl.int64)
+            x = _rotated(Q + off_b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh, stride_qd,
+                         COS + pos * stride_cos_m, SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d,
+                         tl.where(pos_ok, rot_half, 0), offs_d, d_ok, INTERLEAVED)
+            tl.store(Q_OUT + off_b.to(tl.int64) * stride_ob + t * stride_om + head * stride_oh + offs_d * stride_od,
+                     x.to(Q_OUT.dtype.element_ty), mask=d_ok)
+    else:
+        off_hk = head - q_heads
+        if t < n_new:
+            row = lens + t
+            ok = (row >= 0) & (row < capacity)
+            if PAGED:
+                slot = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt_b + row // page_size, mask=ok, other=-1)
+                ok = ok & (slot >= 0) & (slot < cache_rows)
+                base_k = slot.to(tl.int64) * stride_kcb + (row % page_size).to(tl.int64) * stride_kcn
+                base_v = slot.to(tl.int64) * stride_vcb + (row % page_size).to(tl.int64) * stride_vcn
+            else:
+                cb = off_b
+                if HAS_BATCH_IDX:
+                    cb = tl.load(KV_BATCH_IDX + off_b)
+                ok = ok & (cb >= 0) & (cb < cache_rows)
+                base_k = cb.to(tl.int64) * stride_kcb + row.to(tl.int64) * stride_kcn
+                base_v = cb.to(tl.int64) * stride_vcb + row.to(tl.int64) * stride_vcn
+            p_k = K_NEW + off_b.to(tl.int64) * stride_kb + t * stride_kn + off_hk * stride_kh
+            if ROTARY:
+                pos = row - start
+                pos_ok = (pos >= 0) & (pos < rot_rows)
+                pos = tl.where(pos_ok, pos, 0).to(tl.int64)
+                k = _rotated(p_k, stride_kd, COS + pos * stride_cos_m, SIN + pos * stride_sin_m, stride_cos_d,
+                             stride_sin_d, tl.where(pos_ok, rot_half, 0), offs_d, d_ok, INTERLEAVED)
+            else:
+                k = tl.load(p_k + offs_d * stride_kd, mask=d_ok, other=0.0)
+            p_v = V_NEW + off_b.to(tl.int64) * stride_vb + t * stride_vn + off_hk * stride_vh
+            v = tl.load(p_v + offs_d * stride_vd, mask=d_ok, other=0.0)
+            tl.store(K_CACHE + base_k + off_hk * stride_kch + offs_d * stride_kcd, k.to(K_CACHE.dtype.element_ty),
+                     mask=d_ok & ok)
+            tl.store(V_CACHE + base_v + off_hk * stride_vch + offs_d * stride_vcd, v.to(V_CACHE.dtype.element_ty),
+                     mask=d_ok & ok)
+        if WRITE_LENS:
+            if (t == 0) & (off_hk == 0):
+                tl.store(LENS_OUT + off_b, lens + n_new)
+
+
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
@@ -229,3 +337,56 @@ PDL = configs.env_flag("TRITONATTN_DECODE_PDL")
 def _pdl_ok(q) -> bool:
     """Programmatic dependent launch: an NVIDIA sm_90 GPU (not the interpreter)."""
     return q.is_cuda and _hopper(q.device.index)
+
+
+def cache_append(q, k_new, v_new, k_cache, v_cache, cos, sin, kv_lens, leftpad, batch_idx, block_table,
+                 interleaved: bool, local: bool):
+    """The KV cache's step before attention as one kernel (``_cache_append_kernel``): new keys /
+    values (``k_new`` / ``v_new`` (B, n_new, Hkv, D), or None) written into the cache at each row's
+    ``kv_lens`` (int32 (B,)), the keys rotated when ``cos`` / ``sin`` are given, and q rotated too
+    (``local``: query t at its own position, else every query at the row's last). The cache is
+    contiguous (B_cache, capacity, Hkv, D) with ``batch_idx``, or paged (num_blocks, page_size, Hkv,
+    D) through ``block_table``. Returns ``(q, lens)``: q rotated (a new tensor) or q itself, and the
+    lengths attention reads, ``kv_lens + n_new`` (a new tensor) or ``kv_lens``. Replays a launch
+    plan from the second call of a signature (every decoding step)."""
+    rotary = cos is not None
+    n_new = 0 if k_new is None else k_new.shape[1]
+    if not rotary and n_new == 0:
+        return q, kv_lens
+    k_in, v_in = (k_new, v_new) if n_new else (k_cache, v_cache)  # (placeholders: no program reads them)
+    cos_in, sin_in = (cos, sin) if rotary else (kv_lens, kv_lens)
+    inputs = (q, k_in, v_in, k_cache, v_cache, cos_in, sin_in, kv_lens, leftpad, batch_idx, block_table)
+    key = ("append", *((None if t is None else (t.shape, t.stride(), t.dtype)) for t in inputs), q.device,
+           interleaved, local)
+    res = plan.replay(key, inputs, q.device)
+    if res is not None:
+        return res
+    b = plan.Builder(key, inputs)
+    B, Sq, Hq, D = q.shape
+    q_out = b.alloc(torch.empty, q.shape, q.dtype, q.device) if rotary else q
+    lens = b.alloc(torch.empty, kv_lens.shape, kv_lens.dtype, q.device) if n_new else kv_lens
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    T = max(n_new, Sq if rotary else 0)
+    q_heads = Hq if rotary else 0
+    two_d = (0, 0)
+    b.launch(_cache_append_kernel, (B * T, q_heads + k_cache.shape[2]), (
+        q, q_out, k_in, v_in, k_cache, v_cache, cos_in, sin_in, kv_lens, lens,
+        leftpad if leftpad is not None else kv_lens, batch_idx if batch_idx is not None else kv_lens,
+        block_table if paged else kv_lens,
+        *q.stride(), *q_out.stride(), *k_in.stride(), *v_in.stride(), *k_cache.stride(), *v_cache.stride(),
+        *(cos.stride() if rotary else two_d), *(sin.stride() if rotary else two_d),
+        block_table.stride(0) if paged else 0,
+        T, Sq, n_new, q_heads, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0, capacity,
+        k_cache.shape[0], k_cache.shape[1] if paged else 1,
+    ), dict(
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local,
+        HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, WRITE_LENS=n_new > 0,
+        num_warps=1, **_NO_FMA,
+    ))
+    return b.finish((q_out, lens))
+
+
+# the rotary products and sums rounded one by one, as torch's eager ops round them (bitwise the
+# reference inference.apply_rotary); the interpreter computes op by op anyway
+_NO_FMA = {} if configs.interpreting() else {"enable_fp_fusion": False}
