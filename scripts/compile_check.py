@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     launch.ENABLED = False  # every call must reach JITFunction.run (replaced above)
     from tritonattn.kernels.bwd import attention_backward, attention_probs
-    from tritonattn.kernels.decode import decode_forward
+    from tritonattn.kernels.decode import cache_append, decode_forward
     from tritonattn.kernels.fwd import attention_forward
     from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 
@@ -187,6 +187,15 @@ def main(argv=None) -> int:
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
+            # the cache's step before attention: in the decoding kernel (rotary q, new rows written by
+            # the split that holds them), and as its own kernel before the forward kernel
+            k_new, v_new = k[:, :1].clone(), v[:, :1].clone()
+            cos, sin = torch.rand(2 * S, D // 4), torch.rand(2 * S, D // 4)
+            decode_forward(q[:, :2], k, v, var, S, 4, (k_new, v_new, cos, sin, True, True, B))
+            paged = var.block_table is not None
+            kc, vc = (k.view(-1, 16, Hkv, D), v.view(-1, 16, Hkv, D)) if paged else (k, v)
+            cache_append(q, k_new, v_new, kc, vc, cos, sin, var.kv_lens, var.kv_leftpad, var.kv_batch_idx,
+                         var.block_table, False, True)
             return
         out, lse = attention_forward(q, k, v, var)
         if fwd_only:

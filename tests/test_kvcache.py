@@ -222,6 +222,52 @@ def test_cache_append_writes_nothing_outside_the_cache():
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "batch-idx-leftpad", "paged16"])
+@pytest.mark.parametrize("rotary", ["interleaved", "halves", "none"])
+@pytest.mark.parametrize("n_new", [0, 1, 3])
+def test_decoding_kernel_appends_as_the_append_kernel(layout, rotary, n_new, poison, monkeypatch):
+    """Where the decoding kernel runs, it rotates q and writes the new keys / values itself (the
+    program whose key split holds a new row). Against the other path (the append kernel, then the
+    forward kernel: DECODE_MAX_ROWS 0; test_kvcache_against_reference and
+    test_rotary_batch_idx_and_leftpad check both against the reference): the caches bitwise, the
+    outputs within the kernels' rounding. num_splits 1, 3 and 7 over 64 rows: new rows at 15-17
+    straddle a split's end, and one ends at the cache's last row (62 + 1); an empty row; rotary
+    without new tokens rotates q alone."""
+    from tritonattn import inference
+
+    if rotary == "none" and n_new == 0:
+        pytest.skip("nothing appended and nothing rotated: the plain decoding step (test_split_kv_decoding)")
+    gen = torch.Generator().manual_seed(n_new)
+    torch.manual_seed(n_new)
+    B, Sq, Hq, Hkv, D, S = 3, 2, 4, 2, 40, 64
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
+    kw = dict(causal=True)
+    if n_new:
+        kw["k"] = torch.randn(B, n_new, Hkv, D, device=DEVICE).to(F16)
+        kw["v"] = torch.randn(B, n_new, Hkv, D, device=DEVICE).to(F16)
+    if rotary != "none":
+        angles = torch.rand(S + 8, 8, device=DEVICE) * 6
+        kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=rotary == "interleaved")
+    seqlens = torch.tensor([15, 0, 40 if n_new == 3 else 62], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache = _cache(B + 1, S, Hkv, D)
+    if layout == "paged16":
+        k_cache, v_cache, table = _to_paged(k_cache[:B], v_cache[:B], 16, gen)
+        kw["block_table"] = table
+    elif layout == "batch-idx-leftpad":
+        kw["cache_batch_idx"] = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
+        kw["cache_leftpad"] = torch.tensor([4, 0, 9], dtype=torch.int32, device=DEVICE)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    with monkeypatch.context() as m:
+        m.setattr(inference, "DECODE_MAX_ROWS", 0)  # the append kernel, then the forward kernel
+        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+    for splits in (1, 3, 7):
+        kd, vd = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, kd, vd, cache_seqlens=seqlens, num_splits=splits, **kw)
+        assert torch.equal(kd, kc) and torch.equal(vd, vc), splits
+        assert not torch.isnan(out).any()
+        assert (out.float() - ref.float()).abs().max().item() < 2e-3, splits
+
+
 def test_checks_still_run_after_a_remembered_signature():
     """flash_attn_with_kvcache skips its checks for a signature that passed them before; an int
     cache_seqlens is still range-checked on every call, and options of another type get the checks."""

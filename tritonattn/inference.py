@@ -221,10 +221,17 @@ def flash_attn_with_kvcache(
                                   int(window_size[0]), int(window_size[1]), float(softcap),
                                   bool(rotary_interleaved), alibi_slopes, num_splits)
         return (out, lse) if return_softmax_lse else out
-    # rotary on q and the new keys, and the new keys / values into the cache: one kernel
-    local = var.win_left is not None or var.win_right is not None  # causal or a window
-    q, var.kv_lens = cache_append(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx,
-                                  block_table, rotary_interleaved, local)
+    local = var.win_left is not None or var.win_right is not None  # causal or a window: q at its own position
+    # the decoding kernel holds a kv head's whole GQA group of queries in one tile: a few rows only
+    split = Sq * (Hq // k_cache.shape[2]) <= DECODE_MAX_ROWS
+    new = None
+    if split:  # rotary on q and the new keys, and the append, inside the decoding kernel
+        if rotary_cos is not None or n_new:
+            new = (k, v, rotary_cos, rotary_sin, rotary_interleaved, local, k_cache.shape[0])
+        var.kv_lens = seqlens
+    else:  # the same before the forward kernel, as one kernel of its own
+        q, var.kv_lens = cache_append(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, seqlens, leftpad, batch_idx,
+                                      block_table, rotary_interleaved, local)
     var.kv_leftpad, var.kv_batch_idx = leftpad, batch_idx
     if paged:
         var.use_pages(block_table, k_cache, v_cache)
@@ -232,11 +239,9 @@ def flash_attn_with_kvcache(
         k_arg, v_arg = k_cache[:1].expand(B, *k_cache.shape[1:]), v_cache[:1].expand(B, *v_cache.shape[1:])
     else:
         k_arg, v_arg = k_cache, v_cache
-    # the decoding kernel holds a kv head's whole GQA group of queries in one tile: a few rows only
-    split = Sq * (Hq // k_cache.shape[2]) <= DECODE_MAX_ROWS
     with torch.no_grad():
         if split:
-            out, lse = decode_forward(q, k_arg, v_arg, var, capacity, num_splits)
+            out, lse = decode_forward(q, k_arg, v_arg, var, capacity, num_splits, new)
         else:
             out, lse = attention_forward(q, k_arg, v_arg, var)
     return (out, lse) if return_softmax_lse else out

@@ -32,17 +32,29 @@ def _decode_split_kernel(
     ALIBI, stride_alibi_b,
     KV_LENS, KV_LEFTPAD, KV_BATCH_IDX, BLOCK_TABLE, stride_bt_b, page_size, stride_kpage, stride_vpage,
     Hq, Hkv, GROUP, Sq, split_len, qk_scale, softcap_scale, softcap_log2, win_left, win_right,
+    K_NEW, V_NEW, COS, SIN,
+    stride_knb, stride_knn, stride_knh, stride_knd,
+    stride_vnb, stride_vnn, stride_vnh, stride_vnd,
+    stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+    n_new, rot_half, rot_rows, capacity, cache_rows,
     WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    LOCAL: tl.constexpr, PTX: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
     DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
     with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). PDL (sm_90, programmatic dependent
-    launch): the combine kernel may be launched at once, to wait on the device for this grid."""
+    launch): the combine kernel may be launched at once, to wait on the device for this grid.
+    The cache's step before attention (``cache_append``'s work, done here where this kernel runs):
+    ROTARY: the q tile rotated on load, row (head, i) at ``KV_LENS[b] - leftpad`` (+ i if LOCAL);
+    APPEND: ``n_new`` new keys / values (K_NEW / V_NEW (B, n_new, Hkv, D)) follow the cache's
+    ``KV_LENS[b]`` rows; the program whose split holds a new row writes it (the key rotated at its
+    row less the left pad under ROTARY) for its kv head before its loop reads it. Rows past
+    ``capacity``, cache rows or pages out of ``cache_rows`` are not written."""
     if PDL:
         gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
@@ -61,7 +73,10 @@ def _decode_split_kernel(
     k_start = 0
     if HAS_LEFTPAD:
         k_start = tl.load(KV_LEFTPAD + off_b).to(tl.int64)
-    Sk = tl.load(KV_LENS + off_b) - k_start
+    lens = tl.load(KV_LENS + off_b)
+    if APPEND:
+        lens += n_new
+    Sk = lens - k_start
     off_bk = off_b
     if HAS_BATCH_IDX:
         off_bk = tl.load(KV_BATCH_IDX + off_b).to(tl.int64)
@@ -72,8 +87,18 @@ def _decode_split_kernel(
         K += k_start * stride_kn
         V += k_start * stride_vn
 
-    q = tl.load(Q + off_b * stride_qb + head[:, None].to(tl.int64) * stride_qh + qi[:, None].to(tl.int64) * stride_qm
-                + offs_d[None, :] * stride_qd, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    p_q = Q + off_b * stride_qb + head[:, None].to(tl.int64) * stride_qh + qi[:, None].to(tl.int64) * stride_qm
+    q_ok = r_ok[:, None] & d_ok[None, :]
+    q = tl.load(p_q + offs_d[None, :] * stride_qd, mask=q_ok, other=0.0)
+    if ROTARY:  # at the position of the row's query: the cache's old length (+ i), less the left pad
+        pos = qi * 0 + (Sk - n_new)
+        if LOCAL:
+            pos += qi
+        pos_ok = (pos >= 0) & (pos < rot_rows)
+        pos = tl.where(pos_ok, pos, 0).to(tl.int64)[:, None]
+        q = _rotated(q.to(tl.float32), p_q, offs_d[None, :], stride_qd, q_ok, COS + pos * stride_cos_m,
+                     SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0)[:, None],
+                     INTERLEAVED, PTX).to(Q.dtype.element_ty)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_alibi_b + head, mask=r_ok, other=0.0).to(tl.float32)[:, None] * LOG2E
@@ -85,6 +110,33 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, Sk)
+    if APPEND:  # the new rows of this split, into the cache before the loop reads them
+        for t in range(0, n_new):
+            n = Sk - n_new + t  # the row, counted from the left pad
+            if (n >= lo) & (n < hi):
+                row = n + k_start
+                ok = (row >= 0) & (row < capacity)
+                if PAGED:
+                    slot = tl.load(p_bt + row // page_size, mask=ok, other=-1).to(tl.int64)
+                    ok = ok & (slot >= 0) & (slot < cache_rows)
+                    off_k = slot * stride_kpage + (row % page_size).to(tl.int64) * stride_kn
+                    off_v = slot * stride_vpage + (row % page_size).to(tl.int64) * stride_vn
+                else:
+                    ok = ok & (off_bk >= 0) & (off_bk < cache_rows)
+                    off_k = n.to(tl.int64) * stride_kn  # (K, V start at the left pad)
+                    off_v = n.to(tl.int64) * stride_vn
+                p_kn = K_NEW + off_b * stride_knb + t * stride_knn + off_hk * stride_knh
+                k_row = tl.load(p_kn + offs_d * stride_knd, mask=d_ok, other=0.0)
+                if ROTARY:
+                    pos_k = tl.where((n >= 0) & (n < rot_rows), n, 0).to(tl.int64)
+                    k_row = _rotated(k_row.to(tl.float32), p_kn, offs_d, stride_knd, d_ok, COS + pos_k * stride_cos_m,
+                                     SIN + pos_k * stride_sin_m, stride_cos_d, stride_sin_d,
+                                     tl.where((n >= 0) & (n < rot_rows), rot_half, 0), INTERLEAVED, PTX)
+                v_row = tl.load(V_NEW + off_b * stride_vnb + t * stride_vnn + off_hk * stride_vnh + offs_d * stride_vnd,
+                                mask=d_ok, other=0.0)
+                tl.store(p_k + off_k, k_row.to(K.dtype.element_ty)[None, :], mask=d_ok[None, :] & ok)
+                tl.store(p_v + off_v, v_row.to(V.dtype.element_ty)[None, :], mask=d_ok[None, :] & ok)
+        tl.debug_barrier()  # the rows written above, seen by every thread of the program
     for start_n in range(lo, hi, BLOCK_N):
         cur_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (cur_n[:, None] < hi) & d_ok[None, :]
@@ -154,14 +206,26 @@ def _decode_combine_kernel(
 
 
 @triton.jit
-def _rotated(p_x, stride_d, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half, offs_d, d_ok,
-             INTERLEAVED: tl.constexpr):
-    """Row ``p_x`` (BLOCK_D elements) in float32 with the rotary embedding of one position (``p_cos`` /
-    ``p_sin``: that position's table rows) on its first ``2 * rot_half`` dims: interleaved pairs
-    (2i, 2i + 1) or the halves (i, i + rot_half) turn by angle i. The products and the sum are
-    rounded as torch's ``inference.apply_rotary`` rounds them (launched without FMA fusion), so the
-    two agree bitwise."""
-    x = tl.load(p_x + offs_d * stride_d, mask=d_ok, other=0.0).to(tl.float32)
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """``a * b`` in float32, rounded by itself: ``mul.rn`` is never contracted with a later add into
+    an FMA, so sums of products round as torch's eager ops round them. PTX off: the interpreter,
+    which computes op by op anyway."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _rotated(x, p_x, offs_d, stride_d, x_ok, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half,
+             INTERLEAVED: tl.constexpr, PTX: tl.constexpr):
+    """``x`` (float32, loaded from ``p_x + offs_d * stride_d`` where ``x_ok``) with the rotary
+    embedding on its first ``2 * rot_half`` dims: interleaved pairs (2i, 2i + 1) or the halves
+    (i, i + rot_half) turn by angle i of the row's position (``p_cos`` / ``p_sin``: that position's
+    table row). A row (1-d) or a tile of rows (``p_x``, ``p_cos``, ``p_sin``, ``rot_half`` per row,
+    ``offs_d`` a row vector); ``rot_half`` 0 leaves a row as it is. Rounded as torch's
+    ``inference.apply_rotary`` (each product, then the sum): bitwise equal."""
     rot = offs_d < 2 * rot_half
     if INTERLEAVED:
         first = (offs_d % 2) == 0
@@ -171,11 +235,12 @@ def _rotated(p_x, stride_d, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half, 
         first = offs_d < rot_half
         partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
         i = tl.where(first, offs_d, offs_d - rot_half)
-    x_p = tl.load(p_x + partner * stride_d, mask=rot & d_ok, other=0.0).to(tl.float32)
-    c = tl.load(p_cos + i * stride_cos_d, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(p_sin + i * stride_sin_d, mask=rot, other=0.0).to(tl.float32)
-    a = x * c
-    b = x_p * s
+    rot_ok = rot & x_ok
+    x_p = tl.load(p_x + partner * stride_d, mask=rot_ok, other=0.0).to(tl.float32)
+    c = tl.load(p_cos + i * stride_cos_d, mask=rot_ok, other=1.0).to(tl.float32)
+    s = tl.load(p_sin + i * stride_sin_d, mask=rot_ok, other=0.0).to(tl.float32)
+    a = _mul_rn(x, c, PTX)
+    b = _mul_rn(x_p, s, PTX)
     return tl.where(rot, tl.where(first, a - b, a + b), x)
 
 
@@ -192,7 +257,7 @@ def _cache_append_kernel(
     T, Sq, n_new, q_heads, rot_half, rot_rows, capacity, cache_rows, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     LOCAL: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-    WRITE_LENS: tl.constexpr,
+    WRITE_LENS: tl.constexpr, PTX: tl.constexpr,
 ):
     """The KV cache's step before attention, in one launch: program (b * T + t, head). Heads below
     ``q_heads`` (rotary only): query ``t`` of batch row b rotated at its position into Q_OUT. The
@@ -219,9 +284,10 @@ def _cache_append_kernel(
                 pos += t
             pos_ok = (pos >= 0) & (pos < rot_rows)
             pos = tl.where(pos_ok, pos, 0).to(tl.int64)
-            x = _rotated(Q + off_b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh, stride_qd,
-                         COS + pos * stride_cos_m, SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d,
-                         tl.where(pos_ok, rot_half, 0), offs_d, d_ok, INTERLEAVED)
+            p_q = Q + off_b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh
+            x = tl.load(p_q + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+            x = _rotated(x, p_q, offs_d, stride_qd, d_ok, COS + pos * stride_cos_m, SIN + pos * stride_sin_m,
+                         stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0), INTERLEAVED, PTX)
             tl.store(Q_OUT + off_b.to(tl.int64) * stride_ob + t * stride_om + head * stride_oh + offs_d * stride_od,
                      x.to(Q_OUT.dtype.element_ty), mask=d_ok)
     else:
@@ -242,14 +308,14 @@ def _cache_append_kernel(
                 base_k = cb.to(tl.int64) * stride_kcb + row.to(tl.int64) * stride_kcn
                 base_v = cb.to(tl.int64) * stride_vcb + row.to(tl.int64) * stride_vcn
             p_k = K_NEW + off_b.to(tl.int64) * stride_kb + t * stride_kn + off_hk * stride_kh
+            k = tl.load(p_k + offs_d * stride_kd, mask=d_ok, other=0.0)
             if ROTARY:
-                pos = row - start
-                pos_ok = (pos >= 0) & (pos < rot_rows)
-                pos = tl.where(pos_ok, pos, 0).to(tl.int64)
-                k = _rotated(p_k, stride_kd, COS + pos * stride_cos_m, SIN + pos * stride_sin_m, stride_cos_d,
-                             stride_sin_d, tl.where(pos_ok, rot_half, 0), offs_d, d_ok, INTERLEAVED)
-            else:
-                k = tl.load(p_k + offs_d * stride_kd, mask=d_ok, other=0.0)
+                pos_k = row - start
+                k_ok = (pos_k >= 0) & (pos_k < rot_rows)
+                pos_k = tl.where(k_ok, pos_k, 0).to(tl.int64)
+                k = _rotated(k.to(tl.float32), p_k, offs_d, stride_kd, d_ok, COS + pos_k * stride_cos_m,
+                             SIN + pos_k * stride_sin_m, stride_cos_d, stride_sin_d, tl.where(k_ok, rot_half, 0),
+                             INTERLEAVED, PTX)
             p_v = V_NEW + off_b.to(tl.int64) * stride_vb + t * stride_vn + off_hk * stride_vh
             v = tl.load(p_v + offs_d * stride_vd, mask=d_ok, other=0.0)
             tl.store(K_CACHE + base_k + off_hk * stride_kch + offs_d * stride_kcd, k.to(K_CACHE.dtype.element_ty),
@@ -275,12 +341,17 @@ def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.devi
     return max(1, min(want, cdiv(capacity, 256), 128))
 
 
-def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
+def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: tuple | None = None):
     """Split-KV attention of q (B, Sq, Hq, D) over the cache described by ``var`` (kv_lens, leftpad,
-    batch index, block table). k / v as the forward kernel takes them. Returns (out, lse)."""
-    inputs = (q, k, v, *var.tensors())
+    batch index, block table). k / v as the forward kernel takes them. Returns (out, lse).
+    ``new``: the cache's step before attention, done by the kernel (see ``cache_append``):
+    ``(k_new, v_new, cos, sin, interleaved, local, cache_rows)``, the new tokens (or None) appended
+    after ``var.kv_lens`` rows, rotary tables (or None) applied to q and the new keys, and the cache's
+    rows (pages when paged)."""
+    inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, PDL)
+           var.signature(), capacity, num_splits, PDL,
+           new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call (every step of a decoding loop): replayed
         return res
@@ -302,10 +373,17 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
     c = var.constexprs()
     cache = var.cache_args(q)
     wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
+    k_new, v_new, cos, sin, interleaved, local, cache_rows = new or (None, None, None, None, True, False, 0)
+    append, rotary = k_new is not None, cos is not None
+    kn, vn = (k_new, v_new) if append else (q, q)  # (placeholders, never read)
     b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
         q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
+        kn, vn, cos if rotary else q, sin if rotary else q, *kn.stride(), *vn.stride(),
+        *(cos.stride() if rotary else (0, 0)), *(sin.stride() if rotary else (0, 0)),
+        k_new.shape[1] if append else 0, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0, capacity,
+        cache_rows,
     ), dict(
         WIN_LEFT=c["WIN_LEFT"], WIN_RIGHT=c["WIN_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
         HAS_LEFTPAD=var.kv_leftpad is not None, HAS_BATCH_IDX=var.kv_batch_idx is not None,
@@ -313,6 +391,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int):
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
+        APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
     ))
     if direct:
         return b.finish((out, lse))
@@ -382,11 +461,7 @@ def cache_append(q, k_new, v_new, k_cache, v_cache, cos, sin, kv_lens, leftpad, 
     ), dict(
         HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local,
         HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, WRITE_LENS=n_new > 0,
-        num_warps=1, **_NO_FMA,
+        PTX=not configs.interpreting(), num_warps=1,
     ))
     return b.finish((q_out, lens))
 
-
-# the rotary products and sums rounded one by one, as torch's eager ops round them (bitwise the
-# reference inference.apply_rotary); the interpreter computes op by op anyway
-_NO_FMA = {} if configs.interpreting() else {"enable_fp_fusion": False}
