@@ -1247,6 +1247,57 @@ def test_autotune_end_to_end(tmp_path, monkeypatch, poison):
     assert modes == {"fwd", "bwd_dkdv", "bwd_dq"}
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("rotary", ["interleaved", "halves"])
+@pytest.mark.parametrize("Sq", [1, 4])
+def test_decode_append_rotary_on_gpu(paged, rotary, Sq, monkeypatch, poison):
+    """A serving step at the llama decoding shape (Hq=32, Hkv=8, D=128, bf16, caches of 8192): the
+    decoding kernel rotates q and writes the new rows (rotary on the keys) itself. Against the append
+    kernel + forward kernel path (DECODE_MAX_ROWS 0): the caches bitwise (the rotary's products
+    rounded one by one in both), the outputs against the reference on the rotated q and the cache
+    after the step; num_splits 0 (picked) and 5."""
+    from tritonattn import flash_attn_with_kvcache, inference
+
+    torch.manual_seed(17)
+    B, Hq, Hkv, D, S = 4, 32, 8, 128, 8192
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE, dtype=BF16)
+    k_cache = torch.randn(B, S, Hkv, D, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn(B, S, Hkv, D, device=DEVICE, dtype=BF16)
+    seqlens = torch.tensor([0, 1000, 4093, S - Sq], dtype=torch.int32, device=DEVICE)
+    angles = torch.rand(S, D // 2, device=DEVICE) * 6
+    kw = dict(k=torch.randn(B, Sq, Hkv, D, device=DEVICE, dtype=BF16),
+              v=torch.randn(B, Sq, Hkv, D, device=DEVICE, dtype=BF16), rotary_cos=angles.cos().to(BF16),
+              rotary_sin=angles.sin().to(BF16), rotary_interleaved=rotary == "interleaved", causal=True)
+    kc, vc = k_cache, v_cache
+    if paged:
+        perm = torch.randperm(B * S // 16, device=DEVICE)
+        kc = torch.empty(B * S // 16, 16, Hkv, D, device=DEVICE, dtype=BF16)
+        vc = torch.empty_like(kc)
+        kc[perm] = k_cache.reshape(-1, 16, Hkv, D)
+        vc[perm] = v_cache.reshape(-1, 16, Hkv, D)
+        kw["block_table"] = perm.reshape(B, S // 16).to(torch.int32)
+    k_ref, v_ref = kc.clone(), vc.clone()
+    with monkeypatch.context() as m:
+        m.setattr(inference, "DECODE_MAX_ROWS", 0)
+        flash_attn_with_kvcache(q, k_ref, v_ref, cache_seqlens=seqlens, **kw)
+    if paged:
+        k_lin = k_ref[kw["block_table"].long()].reshape(B, S, Hkv, D)
+        v_lin = v_ref[kw["block_table"].long()].reshape(B, S, Hkv, D)
+    else:
+        k_lin, v_lin = k_ref, v_ref
+    q_pos = seqlens.long()[:, None] + torch.arange(Sq, device=DEVICE)[None, :]
+    q_rot = inference.apply_rotary(q, kw["rotary_cos"], kw["rotary_sin"], q_pos, rotary == "interleaved")
+    for splits in (0, 5):
+        kd, vd = kc.clone(), vc.clone()
+        out, lse = flash_attn_with_kvcache(q, kd, vd, cache_seqlens=seqlens, num_splits=splits,
+                                           return_softmax_lse=True, **kw)
+        assert torch.equal(kd, k_ref) and torch.equal(vd, v_ref), splits
+        for b in range(B):
+            L = int(seqlens[b]) + Sq
+            check_against_reference(q_rot[b:b + 1], k_lin[b:b + 1, :L], v_lin[b:b + 1, :L], out[b:b + 1],
+                                    lse[b:b + 1], None, None, True)
+
+
 def test_kvcache_long_query_block_with_splits_on_gpu():
     """num_splits > 1 with 512 x 4 query rows per kv head (chunked prefill into a cache): the forward
     kernel runs it (the decoding kernel's tile would hold all 2048 rows), against the reference."""
