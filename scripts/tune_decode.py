@@ -10,7 +10,9 @@ host's per-call work, which bounds the short caches of eager calls (and a forced
 launcher's full path, without its launch plan).
 
 ``--default-tile`` times only the table's tile, ``--splits`` given split counts, ``--flush read``
-flushes the L2 by a read (see ``bench``). With ``--cuda-graphs`` the first rows are the floor: a
+flushes the L2 by a read (see ``bench``), ``--paged P`` reads the cache through a block table of
+P-row pages in shuffled order (a serving engine's page pool after some traffic; the peers read the
+contiguous cache). With ``--cuda-graphs`` the first rows are the floor: a
 graph of one / two one-element kernels timed the same way.
 
     python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl]
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
                         "dependent launch (TRITONATTN_DECODE_PDL)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
+    p.add_argument("--paged", type=int, default=0, help="pages of this many rows (0: a contiguous cache)")
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
@@ -89,6 +92,12 @@ def main(argv=None) -> int:
                 except RuntimeError as e:
                     print(f"peer {name}: {str(e).splitlines()[0]}", file=sys.stderr)
             kt = vt = None  # noqa: F841 - free the peers' copies before the sweep
+            kw = {}
+            if args.paged:  # the same cache in shuffled pages, read through a block table
+                perm = torch.randperm(B * L // args.paged, device="cuda")
+                kc, vc = (torch.empty_like(c).view(-1, args.paged, Hkv, D).index_copy_(
+                    0, perm, c.view(-1, args.paged, Hkv, D)) for c in (kc, vc))
+                kw["block_table"] = perm.view(B, L // args.paged).to(torch.int32)
             auto = pick_num_splits(B, Hkv, L, q.device)
             ref = peers.get("cudnn") or min(peers.values())
             for name, ms in peers.items():
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
                         with configs.override(decode=cfg):
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
-                                                                           num_splits=splits))
+                                                                           num_splits=splits, **kw))
                             except Exception as e:  # noqa: BLE001
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
@@ -117,6 +126,7 @@ def main(argv=None) -> int:
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (
+        f"-paged{args.paged}" if args.paged else "") + (
         "-read-flush.csv" if args.flush == "read" else ".csv")
     path = os.path.join(os.environ.get("OUT", "."), name)
     with open(path, "w", newline="") as f:
