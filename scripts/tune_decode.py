@@ -98,7 +98,7 @@ def main(argv=None) -> int:
                 kc, vc = (torch.empty_like(c).view(-1, args.paged, Hkv, D).index_copy_(
                     0, perm, c.view(-1, args.paged, Hkv, D)) for c in (kc, vc))
                 kw["block_table"] = perm.view(B, L // args.paged).to(torch.int32)
-            auto = pick_num_splits(B, Hkv, L, q.device)
+            auto = pick_num_splits(B, Hkv, L, q.device, paged=bool(args.paged))
             ref = peers.get("cudnn") or min(peers.values())
             for name, ms in peers.items():
                 rows.append(dict(B=B, L=L, config=f"sdpa-{name}", splits="", ms=ms, gbps=gbytes / ms * 1e3))

@@ -446,3 +446,9 @@ def test_pick_num_splits(monkeypatch):
     assert decode.pick_num_splits(33, 8, 16384, cuda) == 1
     assert decode.pick_num_splits(64, 8, 4096, cuda) == 1
     assert decode.pick_num_splits(1, 1, 100, cuda) == 1  # one split holds every key
+    # paged: about two waves (block-table latency), the same caps
+    assert decode.pick_num_splits(8, 8, 16384, cuda, paged=True) == 4
+    assert decode.pick_num_splits(1, 8, 16384, cuda, paged=True) == 33
+    assert decode.pick_num_splits(1, 8, 4096, cuda, paged=True) == 16  # splits of at least 256 keys
+    assert decode.pick_num_splits(32, 8, 16384, cuda, paged=True) == 2
+    assert decode.pick_num_splits(33, 8, 16384, cuda, paged=True) == 1

@@ -327,17 +327,22 @@ def _cache_append_kernel(
                 tl.store(LENS_OUT + off_b, lens + n_new)
 
 
-def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device) -> int:
+def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, paged: bool = False) -> int:
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
     a partial second wave costs up to 12% (batch 8: 5 splits 0.88x cuDNN, 2 splits 1.01x), and
     one wave of long splits reads K/V at 3.9-4.5 TB/s. With two waves or more of (batch, kv head)
     programs, one split (the kernel writes the output, no combine): batch 64 x 8 kv heads, 0.99x /
-    1.01x cuDNN at 4096 / 16384 keys against 0.96x / 1.00x with two (sixth session)."""
+    1.01x cuDNN at 4096 / 16384 keys against 0.96x / 1.00x with two (sixth session).
+    ``paged`` (a block table): about two waves. Each key tile's rows come from block-table loads,
+    latency that a lone program per SM shows and a second one hides: 16-row pages on an H100 at
+    batch 8, 16384 / 4096 keys, 4 splits 1.39x / 1.30x the 2 of one wave (0.97x / 0.95x cuDNN on
+    the contiguous cache); batch 1 / 16384, 32 splits 1.21x the 16 (thirty-fifth session,
+    ``results/2026-12-06/tune-decode-paged16-62fdb9f-h100.md``); the contiguous cache loses 1-9% there."""
     sms = sm_count(device)
     if batch * kv_heads >= 2 * sms:
         return 1
-    want = max(2, sms // (batch * kv_heads))
+    want = max(2, (2 if paged else 1) * sms // (batch * kv_heads))
     return max(1, min(want, cdiv(capacity, 256), 128))
 
 
@@ -359,7 +364,8 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    splits = num_splits if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device)
+    splits = num_splits if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device,
+                                                                var.block_table is not None)
     cfg = configs.decode_config(q)
     split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
     splits = cdiv(capacity, split_len)
