@@ -94,7 +94,10 @@ def flash_attn_with_kvcache(
         k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)``, or with
             ``block_table`` paged ``(num_blocks, page_size, nheads_k, headdim)`` (any page size).
         k, v: optional new tokens ``(batch, seqlen_new, nheads_k, headdim)``, written into the cache
-            at rows ``cache_seqlens[b] ...`` before attention (in place).
+            at rows ``cache_seqlens[b] ...`` before attention (in place). Batch rows must not share
+            cache rows (a repeated ``cache_batch_idx``, a page in two rows of ``block_table``):
+            whether one row then sees another's new tokens depends on the kernel (as in flash-attn,
+            whose kernel appends too).
         rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``: rotary embedding applied
             to the new k (at their positions) and to q (at the same positions when causal or with
             a window, else all at position ``cache_seqlens``), positions counted from ``cache_leftpad``.
