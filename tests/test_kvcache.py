@@ -452,3 +452,17 @@ def test_pick_num_splits(monkeypatch):
     assert decode.pick_num_splits(1, 8, 4096, cuda, paged=True) == 16  # splits of at least 256 keys
     assert decode.pick_num_splits(32, 8, 16384, cuda, paged=True) == 2
     assert decode.pick_num_splits(33, 8, 16384, cuda, paged=True) == 1
+
+
+def test_kvcache_is_inference_only_with_inputs_that_require_grad(poison, monkeypatch):
+    """Inputs that require grad: the step runs (no no_grad context needed) and its output has no
+    autograd history, as flash-attn's (forward only), on both kernels' paths."""
+    from tritonattn import inference
+
+    q = torch.randn(2, 1, 4, 16, device=DEVICE).to(F16).requires_grad_()
+    kc, vc = _cache(2, 32, 2, 16)
+    kn = torch.randn(2, 1, 2, 16, device=DEVICE).to(F16).requires_grad_()
+    for rows in (64, 0):  # the decoding kernel, then the append + forward kernels
+        monkeypatch.setattr(inference, "DECODE_MAX_ROWS", rows)
+        out = flash_attn_with_kvcache(q, kc, vc, kn, kn.detach().clone(), cache_seqlens=5, causal=True)
+        assert not out.requires_grad and out.grad_fn is None and not kc.requires_grad
