@@ -49,6 +49,8 @@ def main() -> int:
     vc = torch.randn(1, 1024, 2, 64, device=dev, dtype=dt)
     q1 = torch.randn(1, 1, 4, 64, device=dev, dtype=dt)
     seqlens = torch.full((1,), 1000, dtype=torch.int32, device=dev)
+    k1, v1 = (torch.randn(1, 1, 2, 64, device=dev, dtype=dt) for _ in range(2))  # a new token's key / value
+    cos, sin = (torch.rand(1100, 32, device=dev, dtype=dt) for _ in range(2))  # rotary tables
     qkv = torch.randn(1, 128, 3, 4, 64, device=dev, dtype=dt)
     cu = torch.tensor([0, 50, 128], dtype=torch.int32, device=dev)  # two packed sequences
 
@@ -74,6 +76,8 @@ def main() -> int:
             q1, kc, vc, cache_seqlens=1000),
         "flash_attn_with_kvcache (Sq=1, tensor seqlens)": lambda: tritonattn.flash_attn_with_kvcache(
             q1, kc, vc, cache_seqlens=seqlens),
+        "flash_attn_with_kvcache (Sq=1, append + rotary)": lambda: tritonattn.flash_attn_with_kvcache(
+            q1, kc, vc, k1, v1, cos, sin, cache_seqlens=seqlens, causal=True),
         "tritonattn.scaled_dot_product_attention": lambda: tritonattn.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True),
         "torch SDPA flash fwd (peer)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
