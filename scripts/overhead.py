@@ -24,17 +24,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tritonattn  # noqa: E402
+from tritonattn.bench.runner import host_us_per_call  # noqa: E402
 
-
-def per_call_us(fn, n=300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+per_call_us = host_us_per_call
 
 
 def main() -> int:

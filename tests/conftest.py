@@ -174,3 +174,16 @@ def pytest_runtest_logreport(report):
         if "OutOfMemoryError" in text:
             with open(path + ".oom", "a") as f:
                 f.write(report.nodeid + "\n")
+
+
+def to_paged(k_cache, v_cache, page_size, gen):
+    """The same cache laid out in shuffled pages (``gen``: a CPU generator, or None for the global
+    one), with its block table."""
+    B, S, H, D = k_cache.shape
+    nb = S // page_size
+    perm = torch.randperm(B * nb, generator=gen).to(DEVICE)
+    kp = torch.empty(B * nb, page_size, H, D, dtype=k_cache.dtype, device=DEVICE)
+    vp = torch.empty_like(kp)
+    kp[perm] = k_cache.reshape(B * nb, page_size, H, D)
+    vp[perm] = v_cache.reshape(B * nb, page_size, H, D)
+    return kp, vp, perm.reshape(B, nb).to(torch.int32)

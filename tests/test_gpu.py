@@ -15,6 +15,7 @@ from conftest import (
     check_varlen_against_reference,
     in_both_program_orders,
     set_env,
+    to_paged,
 )
 
 from tritonattn import (
@@ -740,12 +741,7 @@ def test_kvcache_on_gpu(paged, Sq, poison):
     kw = {}
     kc, vc = k_cache, v_cache
     if paged:
-        perm = torch.randperm(B * S // 16, device=DEVICE)
-        kc = torch.empty(B * S // 16, 16, Hkv, D, device=DEVICE, dtype=BF16)
-        vc = torch.empty_like(kc)
-        kc[perm] = k_cache.reshape(-1, 16, Hkv, D)
-        vc[perm] = v_cache.reshape(-1, 16, Hkv, D)
-        kw["block_table"] = perm.reshape(B, S // 16).to(torch.int32)
+        kc, vc, kw["block_table"] = to_paged(k_cache, v_cache, 16, None)
     outs = [flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new, cache_seqlens=seqlens, causal=True,
                                     num_splits=n, return_softmax_lse=True, **kw) for n in (1, 0)]
     flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True, **kw)  # append for the check
@@ -1270,12 +1266,7 @@ def test_decode_append_rotary_on_gpu(paged, rotary, Sq, monkeypatch, poison):
               rotary_sin=angles.sin().to(BF16), rotary_interleaved=rotary == "interleaved", causal=True)
     kc, vc = k_cache, v_cache
     if paged:
-        perm = torch.randperm(B * S // 16, device=DEVICE)
-        kc = torch.empty(B * S // 16, 16, Hkv, D, device=DEVICE, dtype=BF16)
-        vc = torch.empty_like(kc)
-        kc[perm] = k_cache.reshape(-1, 16, Hkv, D)
-        vc[perm] = v_cache.reshape(-1, 16, Hkv, D)
-        kw["block_table"] = perm.reshape(B, S // 16).to(torch.int32)
+        kc, vc, kw["block_table"] = to_paged(k_cache, v_cache, 16, None)
     k_ref, v_ref = kc.clone(), vc.clone()
     with monkeypatch.context() as m:
         m.setattr(inference, "DECODE_MAX_ROWS", 0)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DEVICE, check_against_reference
+from conftest import DEVICE, check_against_reference, to_paged
 
 from tritonattn import flash_attn_with_kvcache
 from tritonattn.inference import apply_rotary
@@ -12,18 +12,6 @@ F16 = torch.float16
 
 def _cache(Bc, S, Hkv, D, dtype=F16):
     return (torch.randn(Bc, S, Hkv, D, device=DEVICE).to(dtype), torch.randn(Bc, S, Hkv, D, device=DEVICE).to(dtype))
-
-
-def _to_paged(k_cache, v_cache, page_size, gen):
-    """The same cache laid out in shuffled pages, with its block table."""
-    B, S, H, D = k_cache.shape
-    nb = S // page_size
-    perm = torch.randperm(B * nb, generator=gen).to(DEVICE)
-    kp = torch.empty(B * nb, page_size, H, D, dtype=k_cache.dtype, device=DEVICE)
-    vp = torch.empty_like(kp)
-    kp[perm] = k_cache.reshape(B * nb, page_size, H, D)
-    vp[perm] = v_cache.reshape(B * nb, page_size, H, D)
-    return kp, vp, perm.reshape(B, nb).to(torch.int32)
 
 
 @pytest.mark.parametrize("Sq,new", [(1, 0), (1, 1), (5, 5), (3, 0), (16, 16)], ids=lambda x: str(x))
@@ -62,7 +50,7 @@ def test_paged_equals_contiguous(page_size, poison):
     B, Sq, Hq, Hkv, D, S = 3, 4, 4, 2, 64, 128
     q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(F16)
     k_cache, v_cache = _cache(B, S, Hkv, D)
-    kp, vp, table = _to_paged(k_cache, v_cache, page_size, gen)
+    kp, vp, table = to_paged(k_cache, v_cache, page_size, gen)
     seqlens = torch.tensor([5, 64, 100], dtype=torch.int32, device=DEVICE)
     k_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
     v_new = torch.randn(B, Sq, Hkv, D, device=DEVICE).to(F16)
@@ -251,7 +239,7 @@ def test_decoding_kernel_appends_as_the_append_kernel(layout, rotary, n_new, poi
     seqlens = torch.tensor([15, 0, 40 if n_new == 3 else 62], dtype=torch.int32, device=DEVICE)
     k_cache, v_cache = _cache(B + 1, S, Hkv, D)
     if layout == "paged16":
-        k_cache, v_cache, table = _to_paged(k_cache[:B], v_cache[:B], 16, gen)
+        k_cache, v_cache, table = to_paged(k_cache[:B], v_cache[:B], 16, gen)
         kw["block_table"] = table
     elif layout == "batch-idx-leftpad":
         kw["cache_batch_idx"] = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
@@ -374,7 +362,7 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(B, Hq, device=DEVICE)
     if paged:
-        kc, vc, table = _to_paged(k_cache, v_cache, 16, gen)
+        kc, vc, table = to_paged(k_cache, v_cache, 16, gen)
         kw["block_table"] = table
     else:
         kc, vc = k_cache, v_cache

@@ -18,23 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import tritonattn
-from tritonattn.bench.runner import _bench, _graphed
-
-
-def wall_us(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+from tritonattn.bench.runner import _bench, _graphed, host_us_per_call
 
 
 def cases(B: int, L: int, dev="cuda", dt=torch.bfloat16) -> dict:
@@ -77,7 +65,7 @@ def main() -> int:
             replays = {n: _graphed(f) for n, f in fns.items()}
             for _ in range(a.rounds):  # interleaved rounds: the host's speed drifts within a run
                 for n, f in fns.items():
-                    eager[n].append(wall_us(f))
+                    eager[n].append(host_us_per_call(f, n=200, warmup=10))
                     graphs[n].append(_bench(replays[n], flush="read") * 1e3)
             for n in fns:
                 print(f"| {B} | {L} | {n} | {statistics.median(eager[n]):.1f} | {min(graphs[n]):.2f} |")

@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -301,6 +302,20 @@ def _bench_read_flush(fn: Callable, grad_to_none, warmup: float, rep: float) -> 
     torch.cuda.synchronize()
     ms = sorted(a.elapsed_time(b) for a, b in events)
     return ms[len(ms) // 2]
+
+
+def host_us_per_call(fn: Callable, n: int = 300, warmup: int = 20) -> float:
+    """Wall microseconds per call of ``fn`` called ``n`` times back to back (after ``warmup`` calls),
+    synchronised before and after: for calls whose GPU work is shorter than their host work, the host
+    time per call (scripts/overhead.py, benchmarks/experiments/decode_append.py)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def _out_error(backend_out: torch.Tensor, ins, shape: Shape, layout_bshd: bool) -> float:
