@@ -212,7 +212,7 @@ def test_cache_append_writes_nothing_outside_the_cache():
 
 @pytest.mark.parametrize("layout", ["contiguous", "batch-idx-leftpad", "paged16"])
 @pytest.mark.parametrize("rotary", ["interleaved", "halves", "none"])
-@pytest.mark.parametrize("n_new", [0, 1, 3])
+@pytest.mark.parametrize("n_new", [0, 1, 3, 20])
 def test_decoding_kernel_appends_as_the_append_kernel(layout, rotary, n_new, poison, monkeypatch):
     """Where the decoding kernel runs, it rotates q and writes the new keys / values itself (the
     program whose key split holds a new row). Against the other path (the append kernel, then the
@@ -236,7 +236,7 @@ def test_decoding_kernel_appends_as_the_append_kernel(layout, rotary, n_new, poi
     if rotary != "none":
         angles = torch.rand(S + 8, 8, device=DEVICE) * 6
         kw.update(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=rotary == "interleaved")
-    seqlens = torch.tensor([15, 0, 40 if n_new == 3 else 62], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([15, 0, 40 if n_new >= 3 else 62], dtype=torch.int32, device=DEVICE)
     k_cache, v_cache = _cache(B + 1, S, Hkv, D)
     if layout == "paged16":
         k_cache, v_cache, table = to_paged(k_cache[:B], v_cache[:B], 16, gen)

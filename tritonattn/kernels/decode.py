@@ -23,6 +23,73 @@ from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
+def _fold(q, k, v, cur_n, valid, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_any,
+          win_left, win_right, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+          HAS_ALIBI: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile (``k`` / ``v`` rows ``cur_n``, counted from the left pad; ``valid`` the rows that
+    exist) folded into the online softmax of the query tile: returns ``(m_i, l_i, acc)``."""
+    qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+    s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                       p_any, 0, 0, p_any, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
+                       HAS_ALIBI, False, 0, PRECISION)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_hk, t, take, row0, start,
+                 stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
+                 stride_kcb, stride_kcn, stride_kch, stride_kcd, stride_vcb, stride_vcn, stride_vch, stride_vcd,
+                 stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+                 rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok,
+                 ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, PTX: tl.constexpr):
+    """New keys / values ``t`` (a vector of indices into K_NEW / V_NEW (B, n_new, Hkv, D); ``take``:
+    those this program writes) of batch row ``off_b`` and kv head ``off_hk``, written into the cache at
+    rows ``row0 + t`` (``row0``: the cache's old length): in cache row ``cb`` (stride_kcb / stride_vcb
+    between cache rows), or through the row's block table ``p_bt`` (PAGED; the strides' first is
+    between pages). ROTARY: each key rotated at its row less the left pad ``start``. Rows past
+    ``capacity``, cache rows or pages outside ``cache_rows`` are not written. Returns the (BLOCK_T,
+    BLOCK_D) tiles as written, in the cache's dtype (zero where not ``take``): the append kernel's
+    and the decoding kernel's one code for this step, so the two write the same caches."""
+    row = row0 + t
+    ok = take & (row >= 0) & (row < capacity)
+    if PAGED:
+        slot = tl.load(p_bt + row // page_size, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (slot >= 0) & (slot < cache_rows)
+        base_k = slot * stride_kcb + (row % page_size).to(tl.int64) * stride_kcn
+        base_v = slot * stride_vcb + (row % page_size).to(tl.int64) * stride_vcn
+    else:
+        cb = cb.to(tl.int64)
+        ok = ok & (cb >= 0) & (cb < cache_rows)
+        base_k = cb * stride_kcb + row.to(tl.int64) * stride_kcn
+        base_v = cb * stride_vcb + row.to(tl.int64) * stride_vcn
+    off_b = off_b.to(tl.int64)
+    tile_ok = take[:, None] & d_ok[None, :]
+    p_kn = K_NEW + off_b * stride_knb + t[:, None].to(tl.int64) * stride_knn + off_hk * stride_knh
+    k = tl.load(p_kn + offs_d[None, :] * stride_knd, mask=tile_ok, other=0.0)
+    if ROTARY:
+        pos = row - start
+        pos_ok = (pos >= 0) & (pos < rot_rows)
+        pos = tl.where(pos_ok, pos, 0).to(tl.int64)[:, None]
+        k = _rotated(k.to(tl.float32), p_kn, offs_d[None, :], stride_knd, tile_ok, COS + pos * stride_cos_m,
+                     SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0)[:, None],
+                     INTERLEAVED, PTX)
+    k = k.to(K_CACHE.dtype.element_ty)
+    v = tl.load(V_NEW + off_b * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + off_hk * stride_vnh
+                + offs_d[None, :] * stride_vnd, mask=tile_ok, other=0.0).to(V_CACHE.dtype.element_ty)
+    store_ok = ok[:, None] & d_ok[None, :]
+    tl.store(K_CACHE + base_k[:, None] + off_hk * stride_kch + offs_d[None, :] * stride_kcd, k, mask=store_ok)
+    tl.store(V_CACHE + base_v[:, None] + off_hk * stride_vch + offs_d[None, :] * stride_vcd, v, mask=store_ok)
+    return k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -42,7 +109,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    LOCAL: tl.constexpr, PTX: tl.constexpr,
+    LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
@@ -52,9 +119,11 @@ def _decode_split_kernel(
     The cache's step before attention (``cache_append``'s work, done here where this kernel runs):
     ROTARY: the q tile rotated on load, row (head, i) at ``KV_LENS[b] - leftpad`` (+ i if LOCAL);
     APPEND: ``n_new`` new keys / values (K_NEW / V_NEW (B, n_new, Hkv, D)) follow the cache's
-    ``KV_LENS[b]`` rows; the program whose split holds a new row writes it (the key rotated at its
-    row less the left pad under ROTARY) for its kv head before its loop reads it. Rows past
-    ``capacity``, cache rows or pages out of ``cache_rows`` are not written."""
+    ``KV_LENS[b]`` rows; the program whose split holds new rows loads them (keys rotated at their
+    row less the left pad under ROTARY) in tiles of BLOCK_NEW, writes them into the cache for its kv
+    head (``_append_rows``, as the append kernel) and folds them in after its loop over the cache's
+    old rows: no program reads a row written in this launch, so no barrier. Rows past ``capacity``,
+    cache rows or pages out of ``cache_rows`` are not written."""
     if PDL:
         gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
@@ -83,7 +152,9 @@ def _decode_split_kernel(
     p_bt = BLOCK_TABLE
     if PAGED:
         p_bt = BLOCK_TABLE + off_b * stride_bt_b
-    else:
+    K0 = K  # (the cache's row 0: where _append_rows counts rows from)
+    V0 = V
+    if not PAGED:
         K += k_start * stride_kn
         V += k_start * stride_vn
 
@@ -110,52 +181,52 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, Sk)
-    if APPEND:  # the new rows of this split, into the cache before the loop reads them
-        for t in range(0, n_new):
-            n = Sk - n_new + t  # the row, counted from the left pad
-            if (n >= lo) & (n < hi):
-                row = n + k_start
-                ok = (row >= 0) & (row < capacity)
-                if PAGED:
-                    slot = tl.load(p_bt + row // page_size, mask=ok, other=-1).to(tl.int64)
-                    ok = ok & (slot >= 0) & (slot < cache_rows)
-                    off_k = slot * stride_kpage + (row % page_size).to(tl.int64) * stride_kn
-                    off_v = slot * stride_vpage + (row % page_size).to(tl.int64) * stride_vn
-                else:
-                    ok = ok & (off_bk >= 0) & (off_bk < cache_rows)
-                    off_k = n.to(tl.int64) * stride_kn  # (K, V start at the left pad)
-                    off_v = n.to(tl.int64) * stride_vn
-                p_kn = K_NEW + off_b * stride_knb + t * stride_knn + off_hk * stride_knh
-                k_row = tl.load(p_kn + offs_d * stride_knd, mask=d_ok, other=0.0)
-                if ROTARY:
-                    pos_k = tl.where((n >= 0) & (n < rot_rows), n, 0).to(tl.int64)
-                    k_row = _rotated(k_row.to(tl.float32), p_kn, offs_d, stride_knd, d_ok, COS + pos_k * stride_cos_m,
-                                     SIN + pos_k * stride_sin_m, stride_cos_d, stride_sin_d,
-                                     tl.where((n >= 0) & (n < rot_rows), rot_half, 0), INTERLEAVED, PTX)
-                v_row = tl.load(V_NEW + off_b * stride_vnb + t * stride_vnn + off_hk * stride_vnh + offs_d * stride_vnd,
-                                mask=d_ok, other=0.0)
-                tl.store(p_k + off_k, k_row.to(K.dtype.element_ty)[None, :], mask=d_ok[None, :] & ok)
-                tl.store(p_v + off_v, v_row.to(V.dtype.element_ty)[None, :], mask=d_ok[None, :] & ok)
-        tl.debug_barrier()  # the rows written above, seen by every thread of the program
-    for start_n in range(lo, hi, BLOCK_N):
+    hi_cache = hi
+    if APPEND:  # the new rows of this split come from K_NEW / V_NEW, not from the cache
+        old = Sk - n_new  # new row t sits at old + t, counted from the left pad
+        hi_cache = tl.minimum(hi, old)
+        t_lo = tl.maximum(lo - old, 0)
+        t_hi = tl.minimum(hi - old, n_new)
+        # the first tile of them: loaded (and rotated) before the loop, written into the cache (nothing
+        # here reads those rows back), folded in after the loop
+        t = t_lo + tl.arange(0, BLOCK_NEW)
+        take = t < t_hi
+        k_new, v_new = _append_rows(
+            K_NEW, V_NEW, K0, V0, COS, SIN, p_bt, off_b, off_bk, off_hk, t, take, old + k_start, k_start,
+            stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
+            stride_kpage if PAGED else stride_kb, stride_kn, stride_kh, stride_kd,
+            stride_vpage if PAGED else stride_vb, stride_vn, stride_vh, stride_vd,
+            stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+            rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED, PAGED, PTX)
+    for start_n in range(lo, hi_cache, BLOCK_N):
         cur_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ok = (cur_n[:, None] < hi) & d_ok[None, :]
+        kv_ok = (cur_n[:, None] < hi_cache) & d_ok[None, :]
         k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
-        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
-        s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
-                           p_k, 0, 0, p_k, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
-                           HAS_ALIBI, False, 0, PRECISION)
-        s = tl.where(cur_n[None, :] < hi, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _fold(q, k, v, cur_n, cur_n < hi_cache, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale,
+                              softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
+                              DOT_FP32, PRECISION)
+    if APPEND:
+        if t_hi > t_lo:
+            m_i, l_i, acc = _fold(q, k_new, v_new, old + t, take, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale,
+                                  softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT, WIN_RIGHT, SOFTCAP,
+                                  HAS_ALIBI, DOT_FP32, PRECISION)
+            for t0 in range(t_lo + BLOCK_NEW, t_hi, BLOCK_NEW):  # more than a tile of new rows in this split
+                t = t0 + tl.arange(0, BLOCK_NEW)
+                take = t < t_hi
+                k_new, v_new = _append_rows(
+                    K_NEW, V_NEW, K0, V0, COS, SIN, p_bt, off_b, off_bk, off_hk, t, take, old + k_start, k_start,
+                    stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
+                    stride_kpage if PAGED else stride_kb, stride_kn, stride_kh, stride_kd,
+                    stride_vpage if PAGED else stride_vb, stride_vn, stride_vh, stride_vd,
+                    stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+                    rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED, PAGED,
+                    PTX)
+                m_i, l_i, acc = _fold(q, k_new, v_new, old + t, take, m_i, l_i, acc, qi, Sq, Sk, qk_scale,
+                                      softcap_scale, softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT,
+                                      WIN_RIGHT, SOFTCAP, HAS_ALIBI, DOT_FP32, PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -254,23 +325,22 @@ def _cache_append_kernel(
     stride_kcb, stride_kcn, stride_kch, stride_kcd,
     stride_vcb, stride_vcn, stride_vch, stride_vcd,
     stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d, stride_bt_b,
-    T, Sq, n_new, q_heads, rot_half, rot_rows, capacity, cache_rows, page_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    LOCAL: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-    WRITE_LENS: tl.constexpr, PTX: tl.constexpr,
+    n_tiles, Sq, n_new, q_heads, rot_half, rot_rows, capacity, cache_rows, page_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, LOCAL: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    PAGED: tl.constexpr, WRITE_LENS: tl.constexpr, PTX: tl.constexpr,
 ):
-    """The KV cache's step before attention, in one launch: program (b * T + t, head). Heads below
-    ``q_heads`` (rotary only): query ``t`` of batch row b rotated at its position into Q_OUT. The
-    others, kv head ``head - q_heads``: new key / value ``t`` written into the cache at row
-    ``kv_lens[b] + t`` (the key rotated at that row less the left pad), in cache row
-    ``batch_idx[b]`` (or b), or through the block table. Rows, pages and table positions out of the
-    cache are not written (bad ``cache_seqlens`` are an error under TRITONATTN_DEBUG; here they
-    must not write outside the cache). WRITE_LENS: LENS_OUT[b] = kv_lens[b] + n_new, the lengths
-    attention then reads."""
+    """The KV cache's step before attention, in one launch: program (b * n_tiles + tile, head), rows
+    t of the tile's BLOCK_T. Heads below ``q_heads`` (rotary only): queries t of batch row b rotated
+    at their positions into Q_OUT. The others, kv head ``head - q_heads``: new keys / values t
+    written into the cache at rows ``kv_lens[b] + t`` (``_append_rows``). Rows, pages and table
+    positions out of the cache are not written (bad ``cache_seqlens`` are an error under
+    TRITONATTN_DEBUG; here they must not write outside the cache). WRITE_LENS: LENS_OUT[b] =
+    kv_lens[b] + n_new, the lengths attention then reads."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    off_b = pid // T
-    t = pid % T
+    off_b = pid // n_tiles
+    t = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
     start = 0
     if HAS_LEFTPAD:
         start = tl.load(KV_LEFTPAD + off_b)
@@ -278,52 +348,33 @@ def _cache_append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     if head < q_heads:
-        if t < Sq:
-            pos = lens - start
-            if LOCAL:  # causal or windowed: query t sits at its own position
-                pos += t
-            pos_ok = (pos >= 0) & (pos < rot_rows)
-            pos = tl.where(pos_ok, pos, 0).to(tl.int64)
-            p_q = Q + off_b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh
-            x = tl.load(p_q + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
-            x = _rotated(x, p_q, offs_d, stride_qd, d_ok, COS + pos * stride_cos_m, SIN + pos * stride_sin_m,
-                         stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0), INTERLEAVED, PTX)
-            tl.store(Q_OUT + off_b.to(tl.int64) * stride_ob + t * stride_om + head * stride_oh + offs_d * stride_od,
-                     x.to(Q_OUT.dtype.element_ty), mask=d_ok)
+        pos = lens - start + t * 0
+        if LOCAL:  # causal or windowed: query t sits at its own position
+            pos += t
+        pos_ok = (pos >= 0) & (pos < rot_rows)
+        pos = tl.where(pos_ok, pos, 0).to(tl.int64)[:, None]
+        q_ok = (t < Sq)[:, None] & d_ok[None, :]
+        p_q = Q + off_b.to(tl.int64) * stride_qb + t[:, None].to(tl.int64) * stride_qm + head * stride_qh
+        x = tl.load(p_q + offs_d[None, :] * stride_qd, mask=q_ok, other=0.0).to(tl.float32)
+        x = _rotated(x, p_q, offs_d[None, :], stride_qd, q_ok, COS + pos * stride_cos_m, SIN + pos * stride_sin_m,
+                     stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0)[:, None], INTERLEAVED, PTX)
+        tl.store(Q_OUT + off_b.to(tl.int64) * stride_ob + t[:, None].to(tl.int64) * stride_om + head * stride_oh
+                 + offs_d[None, :] * stride_od, x.to(Q_OUT.dtype.element_ty), mask=q_ok)
     else:
         off_hk = head - q_heads
-        if t < n_new:
-            row = lens + t
-            ok = (row >= 0) & (row < capacity)
-            if PAGED:
-                slot = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt_b + row // page_size, mask=ok, other=-1)
-                ok = ok & (slot >= 0) & (slot < cache_rows)
-                base_k = slot.to(tl.int64) * stride_kcb + (row % page_size).to(tl.int64) * stride_kcn
-                base_v = slot.to(tl.int64) * stride_vcb + (row % page_size).to(tl.int64) * stride_vcn
-            else:
-                cb = off_b
-                if HAS_BATCH_IDX:
-                    cb = tl.load(KV_BATCH_IDX + off_b)
-                ok = ok & (cb >= 0) & (cb < cache_rows)
-                base_k = cb.to(tl.int64) * stride_kcb + row.to(tl.int64) * stride_kcn
-                base_v = cb.to(tl.int64) * stride_vcb + row.to(tl.int64) * stride_vcn
-            p_k = K_NEW + off_b.to(tl.int64) * stride_kb + t * stride_kn + off_hk * stride_kh
-            k = tl.load(p_k + offs_d * stride_kd, mask=d_ok, other=0.0)
-            if ROTARY:
-                pos_k = row - start
-                k_ok = (pos_k >= 0) & (pos_k < rot_rows)
-                pos_k = tl.where(k_ok, pos_k, 0).to(tl.int64)
-                k = _rotated(k.to(tl.float32), p_k, offs_d, stride_kd, d_ok, COS + pos_k * stride_cos_m,
-                             SIN + pos_k * stride_sin_m, stride_cos_d, stride_sin_d, tl.where(k_ok, rot_half, 0),
-                             INTERLEAVED, PTX)
-            p_v = V_NEW + off_b.to(tl.int64) * stride_vb + t * stride_vn + off_hk * stride_vh
-            v = tl.load(p_v + offs_d * stride_vd, mask=d_ok, other=0.0)
-            tl.store(K_CACHE + base_k + off_hk * stride_kch + offs_d * stride_kcd, k.to(K_CACHE.dtype.element_ty),
-                     mask=d_ok & ok)
-            tl.store(V_CACHE + base_v + off_hk * stride_vch + offs_d * stride_vcd, v.to(V_CACHE.dtype.element_ty),
-                     mask=d_ok & ok)
+        cb = off_b
+        if HAS_BATCH_IDX:
+            cb = tl.load(KV_BATCH_IDX + off_b)
+        if (pid % n_tiles) * BLOCK_T < n_new:
+            _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, BLOCK_TABLE + off_b.to(tl.int64) * stride_bt_b,
+                         off_b, cb, off_hk, t, t < n_new, lens, start,
+                         stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
+                         stride_kcb, stride_kcn, stride_kch, stride_kcd, stride_vcb, stride_vcn, stride_vch, stride_vcd,
+                         stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+                         rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED, PAGED,
+                         PTX)
         if WRITE_LENS:
-            if (t == 0) & (off_hk == 0):
+            if (pid % n_tiles == 0) & (off_hk == 0):
                 tl.store(LENS_OUT + off_b, lens + n_new)
 
 
@@ -398,6 +449,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
+        BLOCK_NEW=16,
     ))
     if direct:
         return b.finish((out, lse))
@@ -453,21 +505,24 @@ def cache_append(q, k_new, v_new, k_cache, v_cache, cos, sin, kv_lens, leftpad, 
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     T = max(n_new, Sq if rotary else 0)
+    block_t = min(next_pow2(T), 16)
+    n_tiles = cdiv(T, block_t)
     q_heads = Hq if rotary else 0
     two_d = (0, 0)
-    b.launch(_cache_append_kernel, (B * T, q_heads + k_cache.shape[2]), (
+    b.launch(_cache_append_kernel, (B * n_tiles, q_heads + k_cache.shape[2]), (  # (b, tile of rows), head
         q, q_out, k_in, v_in, k_cache, v_cache, cos_in, sin_in, kv_lens, lens,
         leftpad if leftpad is not None else kv_lens, batch_idx if batch_idx is not None else kv_lens,
         block_table if paged else kv_lens,
         *q.stride(), *q_out.stride(), *k_in.stride(), *v_in.stride(), *k_cache.stride(), *v_cache.stride(),
         *(cos.stride() if rotary else two_d), *(sin.stride() if rotary else two_d),
         block_table.stride(0) if paged else 0,
-        T, Sq, n_new, q_heads, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0, capacity,
+        n_tiles, Sq, n_new, q_heads, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0, capacity,
         k_cache.shape[0], k_cache.shape[1] if paged else 1,
     ), dict(
-        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local,
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_T=block_t, ROTARY=rotary, INTERLEAVED=interleaved,
+        LOCAL=local,
         HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, WRITE_LENS=n_new > 0,
-        PTX=not configs.interpreting(), num_warps=1,
+        PTX=not configs.interpreting(), num_warps=4 if block_t >= 8 else 1,
     ))
     return b.finish((q_out, lens))
 
