@@ -25,14 +25,10 @@ from tritonattn.kernels.variants import Variants
 @triton.jit
 def _fold(q, k, v, cur_n, valid, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_any,
           win_left, win_right, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-          HAS_ALIBI: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr = False):
+          HAS_ALIBI: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile (``k`` / ``v`` rows ``cur_n``, counted from the left pad; ``valid`` the rows that
-    exist) folded into the online softmax of the query tile: returns ``(m_i, l_i, acc)``. FMA: the
-    products in float32 on the CUDA cores (a tile of a few rows, fewer than an mma's 16)."""
-    if FMA:
-        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-    else:
-        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+    exist) folded into the online softmax of the query tile: returns ``(m_i, l_i, acc)``."""
+    qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
     s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
                        p_any, 0, 0, p_any, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
                        HAS_ALIBI, False, 0, PRECISION)
@@ -42,71 +38,8 @@ def _fold(q, k, v, cur_n, valid, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_sc
     p = tl.math.exp2(s - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FMA:
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    else:
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _cache_slots(p_bt, cb, row, ok, stride_kcb, stride_kcn, stride_vcb, stride_vcn, cache_rows, page_size,
-                 PAGED: tl.constexpr):
-    """Where cache rows ``row`` (a vector; ``ok``: those to write) of cache row ``cb`` sit: the offsets
-    of the K and V rows from the cache's start (less the head and dim offsets), and ``ok`` less the
-    rows whose cache row, or page of the block table ``p_bt`` (PAGED; strides ``*cb`` between pages),
-    is out of ``cache_rows``."""
-    if PAGED:
-        slot = tl.load(p_bt + row // page_size, mask=ok, other=-1).to(tl.int64)
-        ok = ok & (slot >= 0) & (slot < cache_rows)
-        base_k = slot * stride_kcb + (row % page_size).to(tl.int64) * stride_kcn
-        base_v = slot * stride_vcb + (row % page_size).to(tl.int64) * stride_vcn
-    else:
-        cb = cb.to(tl.int64)
-        ok = ok & (cb >= 0) & (cb < cache_rows)
-        base_k = cb * stride_kcb + row.to(tl.int64) * stride_kcn
-        base_v = cb * stride_vcb + row.to(tl.int64) * stride_vcn
-    return base_k, base_v, ok
-
-
-@triton.jit
-def _new_rows(K_NEW, V_NEW, COS, SIN, off_b, off_hk, t, take, pos,
-              stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
-              stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d, rot_half, rot_rows, offs_d, d_ok,
-              ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The loads of new keys / values ``t`` (a vector of indices into K_NEW / V_NEW (B, n_new, Hkv, D);
-    ``take``: those that exist) of batch row ``off_b``, kv head ``off_hk``, and nothing computed from
-    them, so that a caller may issue them early and use them late: ``(k, v, k_partner, cos, sin,
-    rot_half)`` as ``_rotate`` takes them (ROTARY: at positions ``pos``; else the last four unused)."""
-    off_b = off_b.to(tl.int64)
-    tile_ok = take[:, None] & d_ok[None, :]
-    p_kn = K_NEW + off_b * stride_knb + t[:, None].to(tl.int64) * stride_knn + off_hk * stride_knh
-    k = tl.load(p_kn + offs_d[None, :] * stride_knd, mask=tile_ok, other=0.0)
-    v = tl.load(V_NEW + off_b * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + off_hk * stride_vnh
-                + offs_d[None, :] * stride_vnd, mask=tile_ok, other=0.0)
-    k_p = k
-    c = k
-    s = k
-    rh = rot_half
-    if ROTARY:
-        pos_ok = (pos >= 0) & (pos < rot_rows)
-        rh = tl.where(pos_ok, rot_half, 0)[:, None]
-        pos = tl.where(pos_ok, pos, 0).to(tl.int64)[:, None]
-        k_p, c, s = _rotary_loads(p_kn, offs_d[None, :], stride_knd, tile_ok, COS + pos * stride_cos_m,
-                                  SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d, rh, INTERLEAVED)
-    return k, v, k_p, c, s, rh
-
-
-@triton.jit
-def _store_rows(K_CACHE, V_CACHE, base_k, base_v, ok, off_hk, k, v, stride_kch, stride_kcd, stride_vch, stride_vcd,
-                offs_d, d_ok):
-    """Tiles ``k`` / ``v`` (rows at ``base_k`` / ``base_v`` of ``_cache_slots``; ``ok``: those written)
-    stored into kv head ``off_hk`` of the cache, in the cache's dtype."""
-    store_ok = ok[:, None] & d_ok[None, :]
-    tl.store(K_CACHE + base_k[:, None] + off_hk * stride_kch + offs_d[None, :] * stride_kcd,
-             k.to(K_CACHE.dtype.element_ty), mask=store_ok)
-    tl.store(V_CACHE + base_v[:, None] + off_hk * stride_vch + offs_d[None, :] * stride_vcd,
-             v.to(V_CACHE.dtype.element_ty), mask=store_ok)
 
 
 @triton.jit
@@ -122,23 +55,37 @@ def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_
     between cache rows), or through the row's block table ``p_bt`` (PAGED; the strides' first is
     between pages). ROTARY: each key rotated at its row less the left pad ``start``. Rows past
     ``capacity``, cache rows or pages outside ``cache_rows`` are not written. Returns the (BLOCK_T,
-    BLOCK_D) tiles as written, in the cache's dtype (zero where not ``take``). The append kernel's and
-    the decoding kernel's code for this step (``_cache_slots``, ``_new_rows``, ``_rotate``,
-    ``_store_rows``), so the two write the same caches."""
+    BLOCK_D) tiles as written, in the cache's dtype (zero where not ``take``): the append kernel's
+    and the decoding kernel's one code for this step, so the two write the same caches."""
     row = row0 + t
-    base_k, base_v, ok = _cache_slots(p_bt, cb, row, take & (row >= 0) & (row < capacity), stride_kcb, stride_kcn,
-                                      stride_vcb, stride_vcn, cache_rows, page_size, PAGED)
-    k, v, k_p, c, s, rh = _new_rows(K_NEW, V_NEW, COS, SIN, off_b, off_hk, t, take, row - start,
-                                    stride_knb, stride_knn, stride_knh, stride_knd,
-                                    stride_vnb, stride_vnn, stride_vnh, stride_vnd,
-                                    stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d, rot_half, rot_rows,
-                                    offs_d, d_ok, ROTARY, INTERLEAVED)
+    ok = take & (row >= 0) & (row < capacity)
+    if PAGED:
+        slot = tl.load(p_bt + row // page_size, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (slot >= 0) & (slot < cache_rows)
+        base_k = slot * stride_kcb + (row % page_size).to(tl.int64) * stride_kcn
+        base_v = slot * stride_vcb + (row % page_size).to(tl.int64) * stride_vcn
+    else:
+        cb = cb.to(tl.int64)
+        ok = ok & (cb >= 0) & (cb < cache_rows)
+        base_k = cb * stride_kcb + row.to(tl.int64) * stride_kcn
+        base_v = cb * stride_vcb + row.to(tl.int64) * stride_vcn
+    off_b = off_b.to(tl.int64)
+    tile_ok = take[:, None] & d_ok[None, :]
+    p_kn = K_NEW + off_b * stride_knb + t[:, None].to(tl.int64) * stride_knn + off_hk * stride_knh
+    k = tl.load(p_kn + offs_d[None, :] * stride_knd, mask=tile_ok, other=0.0)
     if ROTARY:
-        k = _rotate(k, k_p, c, s, offs_d[None, :], rh, INTERLEAVED, PTX)
+        pos = row - start
+        pos_ok = (pos >= 0) & (pos < rot_rows)
+        pos = tl.where(pos_ok, pos, 0).to(tl.int64)[:, None]
+        k = _rotated(k.to(tl.float32), p_kn, offs_d[None, :], stride_knd, tile_ok, COS + pos * stride_cos_m,
+                     SIN + pos * stride_sin_m, stride_cos_d, stride_sin_d, tl.where(pos_ok, rot_half, 0)[:, None],
+                     INTERLEAVED, PTX)
     k = k.to(K_CACHE.dtype.element_ty)
-    v = v.to(V_CACHE.dtype.element_ty)
-    _store_rows(K_CACHE, V_CACHE, base_k, base_v, ok, off_hk, k, v, stride_kch, stride_kcd, stride_vch, stride_vcd,
-                offs_d, d_ok)
+    v = tl.load(V_NEW + off_b * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + off_hk * stride_vnh
+                + offs_d[None, :] * stride_vnd, mask=tile_ok, other=0.0).to(V_CACHE.dtype.element_ty)
+    store_ok = ok[:, None] & d_ok[None, :]
+    tl.store(K_CACHE + base_k[:, None] + off_hk * stride_kch + offs_d[None, :] * stride_kcd, k, mask=store_ok)
+    tl.store(V_CACHE + base_v[:, None] + off_hk * stride_vch + offs_d[None, :] * stride_vcd, v, mask=store_ok)
     return k, v
 
 
@@ -162,7 +109,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr, NEW_PATH: tl.constexpr,
+    LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
@@ -173,11 +120,8 @@ def _decode_split_kernel(
     ROTARY: the q tile rotated on load, row (head, i) at ``KV_LENS[b] - leftpad`` (+ i if LOCAL);
     APPEND: ``n_new`` new keys / values (K_NEW / V_NEW (B, n_new, Hkv, D)) follow the cache's
     ``KV_LENS[b]`` rows; the program whose split holds new rows writes them (keys rotated at their
-    row less the left pad under ROTARY) into the cache for its kv head, in tiles of BLOCK_NEW rows,
-    with the append kernel's helpers. NEW_PATH 0: before its loop, then a barrier, and the loop reads
-    them back; else: the first tile's loads issued before the loop, rotated, stored and folded in
-    from registers after it (by mma, or NEW_PATH 2 by float32 products), later tiles after it (no
-    program reads a row written in this launch). Rows past ``capacity``,
+    row less the left pad under ROTARY) into the cache for its kv head, in tiles of BLOCK_NEW rows
+    (``_append_rows``, the append kernel's code), before its loop reads them back. Rows past ``capacity``,
     cache rows or pages out of ``cache_rows`` are not written."""
     if PDL:
         gdc_launch_dependents()
@@ -236,76 +180,29 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, Sk)
-    hi_cache = hi
-    if APPEND:  # the new rows of this split come from K_NEW / V_NEW
+    if APPEND:  # the split's new rows, written into the cache before the loop reads them
         old = Sk - n_new  # new row t sits at old + t, counted from the left pad
-        t_lo = tl.maximum(lo - old, 0)
         t_hi = tl.minimum(hi - old, n_new)
-        t = t_lo + tl.arange(0, BLOCK_NEW)
-        take = t < t_hi
-        if NEW_PATH == 0:  # written into the cache, then read back by the loop
-            for t0 in range(t_lo, t_hi, BLOCK_NEW):
-                _append_rows(
-                    K_NEW, V_NEW, K0, V0, COS, SIN, p_bt, off_b, off_bk, off_hk, t0 + tl.arange(0, BLOCK_NEW),
-                    t0 + tl.arange(0, BLOCK_NEW) < t_hi, old + k_start, k_start,
-                    stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
-                    stride_kpage if PAGED else stride_kb, stride_kn, stride_kh, stride_kd,
-                    stride_vpage if PAGED else stride_vb, stride_vn, stride_vh, stride_vd,
-                    stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
-                    rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED, PAGED,
-                    PTX)
-            tl.debug_barrier()  # the rows written above, seen by every thread of the program
-        else:
-            # the first tile's loads issued before the loop, used after it: stored into the cache
-            # (nothing in this launch reads them back) and folded in from registers
-            hi_cache = tl.minimum(hi, old)
-            row = old + k_start + t
-            base_k, base_v, ok = _cache_slots(p_bt, off_bk, row, take & (row >= 0) & (row < capacity),
-                                              stride_kpage if PAGED else stride_kb, stride_kn,
-                                              stride_vpage if PAGED else stride_vb, stride_vn, cache_rows, page_size,
-                                              PAGED)
-            k_new, v_new, k_p, c_new, s_new, rh = _new_rows(
-                K_NEW, V_NEW, COS, SIN, off_b, off_hk, t, take, old + t,
+        for t0 in range(tl.maximum(lo - old, 0), t_hi, BLOCK_NEW):
+            t = t0 + tl.arange(0, BLOCK_NEW)
+            _append_rows(
+                K_NEW, V_NEW, K0, V0, COS, SIN, p_bt, off_b, off_bk, off_hk, t, t < t_hi, old + k_start, k_start,
                 stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
-                stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d, rot_half, rot_rows, offs_d, d_ok,
-                ROTARY, INTERLEAVED)
-    for start_n in range(lo, hi_cache, BLOCK_N):
+                stride_kpage if PAGED else stride_kb, stride_kn, stride_kh, stride_kd,
+                stride_vpage if PAGED else stride_vb, stride_vn, stride_vh, stride_vd,
+                stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
+                rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED, PAGED, PTX)
+        tl.debug_barrier()  # the rows written above, seen by every thread of the program
+    for start_n in range(lo, hi, BLOCK_N):
         cur_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ok = (cur_n[:, None] < hi_cache) & d_ok[None, :]
+        kv_ok = (cur_n[:, None] < hi) & d_ok[None, :]
         k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
         v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _fold(q, k, v, cur_n, cur_n < hi_cache, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale,
+        m_i, l_i, acc = _fold(q, k, v, cur_n, cur_n < hi, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale,
                               softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
                               DOT_FP32, PRECISION)
-    if APPEND:
-        if NEW_PATH != 0:
-            if t_hi > t_lo:
-                if ROTARY:
-                    k_new = _rotate(k_new, k_p, c_new, s_new, offs_d[None, :], rh, INTERLEAVED, PTX)
-                k_new = k_new.to(K.dtype.element_ty)
-                v_new = v_new.to(V.dtype.element_ty)
-                _store_rows(K0, V0, base_k, base_v, ok, off_hk, k_new, v_new, stride_kh, stride_kd, stride_vh,
-                            stride_vd, offs_d, d_ok)
-                m_i, l_i, acc = _fold(q, k_new, v_new, old + t, take, m_i, l_i, acc, qi, Sq, Sk, qk_scale,
-                                      softcap_scale, softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT,
-                                      WIN_RIGHT, SOFTCAP, HAS_ALIBI, DOT_FP32, PRECISION, NEW_PATH == 2)
-                for t0 in range(t_lo + BLOCK_NEW, t_hi, BLOCK_NEW):  # more than a tile of new rows in this split
-                    t = t0 + tl.arange(0, BLOCK_NEW)
-                    take = t < t_hi
-                    k_new, v_new = _append_rows(
-                        K_NEW, V_NEW, K0, V0, COS, SIN, p_bt, off_b, off_bk, off_hk, t, take, old + k_start,
-                        k_start,
-                        stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh,
-                        stride_vnd, stride_kpage if PAGED else stride_kb, stride_kn, stride_kh, stride_kd,
-                        stride_vpage if PAGED else stride_vb, stride_vn, stride_vh, stride_vd,
-                        stride_cos_m, stride_cos_d, stride_sin_m, stride_sin_d,
-                        rot_half, rot_rows, capacity, cache_rows, page_size, offs_d, d_ok, ROTARY, INTERLEAVED,
-                        PAGED, PTX)
-                    m_i, l_i, acc = _fold(q, k_new, v_new, old + t, take, m_i, l_i, acc, qi, Sq, Sk, qk_scale,
-                                          softcap_scale, softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT,
-                                          WIN_RIGHT, SOFTCAP, HAS_ALIBI, DOT_FP32, PRECISION, NEW_PATH == 2)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -370,46 +267,27 @@ def _mul_rn(a, b, PTX: tl.constexpr):
 @triton.jit
 def _rotated(x, p_x, offs_d, stride_d, x_ok, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half,
              INTERLEAVED: tl.constexpr, PTX: tl.constexpr):
-    """``x`` (loaded from ``p_x + offs_d * stride_d`` where ``x_ok``) with the rotary embedding on its
-    first ``2 * rot_half`` dims: interleaved pairs (2i, 2i + 1) or the halves (i, i + rot_half) turn by
-    angle i of the row's position (``p_cos`` / ``p_sin``: that position's table row). A row (1-d) or a
-    tile of rows (``p_x``, ``p_cos``, ``p_sin``, ``rot_half`` per row, ``offs_d`` a row vector);
-    ``rot_half`` 0 leaves a row as it is. ``_rotary_loads`` then ``_rotate``."""
-    x_p, c, s = _rotary_loads(p_x, offs_d, stride_d, x_ok, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half,
-                              INTERLEAVED)
-    return _rotate(x, x_p, c, s, offs_d, rot_half, INTERLEAVED, PTX)
-
-
-@triton.jit
-def _rotary_loads(p_x, offs_d, stride_d, x_ok, p_cos, p_sin, stride_cos_d, stride_sin_d, rot_half,
-                  INTERLEAVED: tl.constexpr):
-    """What ``_rotate`` needs besides ``x``: each dim's partner in ``x`` and the cos / sin of its angle."""
-    rot_ok = (offs_d < 2 * rot_half) & x_ok
+    """``x`` (float32, loaded from ``p_x + offs_d * stride_d`` where ``x_ok``) with the rotary
+    embedding on its first ``2 * rot_half`` dims: interleaved pairs (2i, 2i + 1) or the halves
+    (i, i + rot_half) turn by angle i of the row's position (``p_cos`` / ``p_sin``: that position's
+    table row). A row (1-d) or a tile of rows (``p_x``, ``p_cos``, ``p_sin``, ``rot_half`` per row,
+    ``offs_d`` a row vector); ``rot_half`` 0 leaves a row as it is. Rounded as torch's
+    ``inference.apply_rotary`` (each product, then the sum): bitwise equal."""
+    rot = offs_d < 2 * rot_half
     if INTERLEAVED:
+        first = (offs_d % 2) == 0
         partner = offs_d ^ 1
         i = offs_d // 2
     else:
         first = offs_d < rot_half
         partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
         i = tl.where(first, offs_d, offs_d - rot_half)
-    x_p = tl.load(p_x + partner * stride_d, mask=rot_ok, other=0.0)
-    c = tl.load(p_cos + i * stride_cos_d, mask=rot_ok, other=1.0)
-    s = tl.load(p_sin + i * stride_sin_d, mask=rot_ok, other=0.0)
-    return x_p, c, s
-
-
-@triton.jit
-def _rotate(x, x_p, c, s, offs_d, rot_half, INTERLEAVED: tl.constexpr, PTX: tl.constexpr):
-    """The rotation of ``_rotated`` from its loads, in float32, rounded as torch's
-    ``inference.apply_rotary`` (each product, then the sum): bitwise equal."""
-    rot = offs_d < 2 * rot_half
-    if INTERLEAVED:
-        first = (offs_d % 2) == 0
-    else:
-        first = offs_d < rot_half
-    x = x.to(tl.float32)
-    a = _mul_rn(x, c.to(tl.float32), PTX)
-    b = _mul_rn(x_p.to(tl.float32), s.to(tl.float32), PTX)
+    rot_ok = rot & x_ok
+    x_p = tl.load(p_x + partner * stride_d, mask=rot_ok, other=0.0).to(tl.float32)
+    c = tl.load(p_cos + i * stride_cos_d, mask=rot_ok, other=1.0).to(tl.float32)
+    s = tl.load(p_sin + i * stride_sin_d, mask=rot_ok, other=0.0).to(tl.float32)
+    a = _mul_rn(x, c, PTX)
+    b = _mul_rn(x_p, s, PTX)
     return tl.where(rot, tl.where(first, a - b, a + b), x)
 
 
@@ -547,7 +425,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
-        BLOCK_NEW=_block_new(k_new.shape[1] if append else 0), NEW_PATH=NEW_PATH,
+        BLOCK_NEW=max(1, min(next_pow2(k_new.shape[1] if append else 1), 16)),
     ))
     if direct:
         return b.finish((out, lse))
@@ -567,15 +445,6 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
 # Off by default: as CUDA graph replays on the H200 it gained nothing (-6% to +0.3% at batch 1 / 8,
 # caches of 4096 / 16384; benchmarks/NOTES.md, 2026-11-30, seventh session).
 PDL = configs.env_flag("TRITONATTN_DECODE_PDL")
-
-
-NEW_PATH = int(__import__("os").environ.get("TRITONATTN_DECODE_NEW_PATH", "0"))  # (A/B, temporary)
-
-
-def _block_new(n_new: int) -> int:
-    if NEW_PATH == 1:
-        return 16
-    return max(1, min(next_pow2(n_new), 4 if NEW_PATH == 2 else 16))
 
 
 def _pdl_ok(q) -> bool:
