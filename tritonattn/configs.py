@@ -200,7 +200,9 @@ DQ_CONVERT = C(64, 0, 4, 1)
 _TILE = {2: C(64, 64, 4, 2), 4: C(32, 32, 4, 1)}
 _TILE_INTERP = C(32, 64, 4, 1)
 # split-KV decoding: BLOCK_N keys per step (BLOCK_M is the packed GQA group x seqlen_q).
-# Memory-bound: long key tiles and deep pipelining; unmeasured first choice (benchmarks/NOTES.md).
+# Memory-bound: long key tiles and deep pipelining. Swept on the H200 (8 tiles x split counts, B = 1 / 8 /
+# 64, 16k / 128k keys; scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30): (0, 128, 4, 3) within 1% of
+# the best tile everywhere; the split count is what matters (kernels/decode.py pick_num_splits).
 _DECODE = {(16, 2): C(0, 128, 4, 3), (32, 2): C(0, 128, 4, 3), (64, 2): C(0, 128, 4, 3), (128, 2): C(0, 128, 4, 3),
            (256, 2): C(0, 64, 4, 3)}
 _DECODE_FP32 = C(0, 32, 4, 1)
