@@ -217,10 +217,12 @@ def test_packed_entry_points_remember_signatures_and_checks_still_run():
 
 
 def test_attention_entry_points_remember_signatures_and_checks_still_run():
-    """attention / attention_varlen remember the checks of q, k, v and the options (a tagged key of
-    their own); the bias and mask checks run on every call (they also lay out the mask), and so do
-    cu_seqlens contents checks on CPU."""
+    """attention remembers the checks of q, k, v, the options and its bias / mask arguments (a tagged
+    key of their shapes, dtypes and devices), and lays out each call's own mask; attention_varlen
+    those of q, k, v and the options (its bias and mask checks run on every call), and cu_seqlens
+    contents checks run on every call on CPU."""
     from tritonattn import attention_varlen, interface
+    from tritonattn.testing import attention_ref
 
     q, k, v = _qkv(B=2, Sq=8, Sk=8, Hq=4, Hkv=2)
     bias = torch.randn(2, 4, 8, 8, device=DEVICE)
@@ -229,6 +231,34 @@ def test_attention_entry_points_remember_signatures_and_checks_still_run():
     assert len(interface._VALIDATED) == 1
     assert torch.equal(attention(q, k, v, bias=bias, causal=True), first)  # remembered
     assert len(interface._VALIDATED) == 1
+    # a remembered signature with other values of its bias / masks (and other strides): this call's own
+    kpm = torch.rand(2, 8, device=DEVICE) > 0.4
+    kpm[:, -1] = True
+    attention(q, k, v, key_padding_mask=kpm, causal=True)
+    mask = torch.rand(8, 8, device=DEVICE).t() > 0.5  # (a transposed view: other strides than the next)
+    mask[:, 0] = True
+    attention(q, k, v, mask=mask)
+    assert len(interface._VALIDATED) == 3
+    for _ in range(2):
+        kpm2 = torch.rand(4, 16, device=DEVICE)[::2, ::2] > 0.4  # (strided)
+        kpm2[:, -1] = True
+        mask2 = torch.rand(8, 8, device=DEVICE) > 0.5
+        mask2[:, 0] = True
+        bias2 = torch.randn(2, 4, 8, 8, device=DEVICE)
+        for out, ref in ((attention(q, k, v, key_padding_mask=kpm2, causal=True),
+                          attention_ref(q, k, v, causal=True, key_padding_mask=kpm2)[0]),
+                         (attention(q, k, v, mask=mask2), attention_ref(q, k, v, mask=mask2)[0]),
+                         (attention(q, k, v, bias=bias2, causal=True),
+                          attention_ref(q, k, v, causal=True, bias=bias2)[0])):
+            assert (out.double() - ref).abs().max().item() < 2e-3
+    assert len(interface._VALIDATED) == 3
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        attention(q, k, v, key_padding_mask=kpm[:, :5], causal=True)
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        attention(q, k, v, key_padding_mask=kpm.float(), causal=True)
+    with pytest.raises(ValueError, match="give mask or key_padding_mask, not both"):
+        attention(q, k, v, mask=mask, key_padding_mask=kpm)
+    assert len(interface._VALIDATED) == 3
     with pytest.raises(ValueError, match="bias of shape"):
         attention(q, k, v, bias=bias[:, :, :3, :5], causal=True)
     with pytest.raises(TypeError, match="mask must be a bool tensor"):
@@ -241,7 +271,7 @@ def test_attention_entry_points_remember_signatures_and_checks_still_run():
     first = attention_varlen(qp, kp, vp, cu, cu, 5, 5, bias=vbias, causal=True)
     size = len(interface._VALIDATED)
     assert torch.equal(attention_varlen(qp, kp, vp, cu, cu, 5, 5, bias=vbias, causal=True), first)
-    assert len(interface._VALIDATED) == size == 2
+    assert len(interface._VALIDATED) == size == 4
     with pytest.raises(ValueError, match="longer than max_seqlen"):
         attention_varlen(qp, kp, vp, torch.tensor([0, 1, 8], dtype=torch.int32, device=DEVICE), cu, 5, 5,
                          bias=vbias, causal=True)

@@ -120,14 +120,14 @@ def test_dropout_runs_and_is_seeded():
 
 
 def test_remembered_signature_matches_and_checks_still_run(poison):
-    """A call without attn_mask whose signature passed the checks skips them the next time (host
+    """A call whose signature passed the checks skips them the next time (host
     time): the same result, a fresh dropout seed per call, and other signatures still checked."""
     from tritonattn.integrations import sdpa
     from tritonattn.interface import _signature
 
     q, k, v = _qkv(2, 4, 2, 37, 29, 16)
     first = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    sig = _signature((q, k, v), (0.0, True, None, True))
+    sig = _signature((q, k, v, None), (0.0, True, None, True))
     assert sig in sdpa._VALIDATED
     real = sdpa._fallback_reason
     sdpa._fallback_reason = None  # the remembered path must not call it (nor any check)
@@ -149,11 +149,22 @@ def test_remembered_signature_matches_and_checks_still_run(poison):
     torch.manual_seed(5)
     assert torch.equal(scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True), a)
     assert not torch.equal(a, b)
-    # calls with attn_mask, or with an option that is not a plain value, are never remembered
+    # calls with attn_mask: remembered by the mask's shape, dtype and device, each call laying out its
+    # own mask (other values, other strides: against torch, gradients too)
     full = scaled_dot_product_attention(q, k, v, enable_gqa=True)
     size = len(sdpa._VALIDATED)
     mask = torch.ones(37, 29, dtype=torch.bool, device=DEVICE).tril()
     scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    float_mask = torch.randn(37, 29, device=DEVICE).to(F16)
+    scaled_dot_product_attention(q, k, v, attn_mask=float_mask, enable_gqa=True)
+    assert len(sdpa._VALIDATED) == size + 2
+    mask2 = torch.rand(29, 37, device=DEVICE).t() > 0.5  # (a transposed view)
+    mask2[:, 0] = True
+    _compare(q, k, v, attn_mask=mask2, enable_gqa=True)
+    _compare(q, k, v, attn_mask=torch.randn(37, 29, device=DEVICE).to(F16).requires_grad_(), enable_gqa=True)
+    assert len(sdpa._VALIDATED) == size + 2
+    # with an option that is not a plain value: never remembered
+    size = len(sdpa._VALIDATED)
     flag = torch.tensor(False)
     assert torch.equal(scaled_dot_product_attention(q, k, v, is_causal=flag, enable_gqa=True), full)
     flag.fill_(True)  # the same tensor object, now true: the causal result

@@ -193,9 +193,11 @@ def _options_key(tensors, dropout_p, softmax_scale, causal, window_size, softcap
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
-    """Validate the bias / mask arguments; store the masks in ``var`` (the bias goes through autograd).
-    Variable length (``var``'s cu_seqlens set): laid out per sequence, (batch, nheads, max_seqlen_q,
-    max_seqlen_k) in local indices."""
+    """Validate the bias / mask arguments, then store the masks in ``var`` (:func:`_lay_out_mask`;
+    the bias goes through autograd). What the checks decide depends on the arguments' types, shapes,
+    dtypes and devices and q / k's shapes (and ``var``'s lengths) only: a signature of those that
+    passed may skip them (:func:`attention`). Variable length (``var``'s cu_seqlens set): laid out
+    per sequence, (batch, nheads, max_seqlen_q, max_seqlen_k) in local indices."""
     full = var.score_shape(q, k)
     B, Sk = full[0], full[3]
     seq = "max_seqlen" if var.varlen else "seqlen"
@@ -229,15 +231,31 @@ def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> N
                                  f"got {tuple(m.shape)}")
             m = m[:, None, None, :]
         broadcastable(name, m)
-        # the kernels read bytes: a free view in eager mode; inductor cannot lower a bool -> uint8 view,
-        # so while compiling the (unexpanded) mask is converted, which it fuses into its producer
-        m = (m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)).expand(full)
-        # one boolean per key: no S x S read (a size-1 head or query dim, e.g. Sq = 1 when decoding,
-        # keeps the stride of the dim it was unsqueezed next to, and is read at index 0 only)
-        if (m.stride(1) == 0 or full[1] == 1) and (m.stride(2) == 0 or full[2] == 1):
-            var.mask, var.mask_kind = m[:, 0, 0, :], MASK_KEYS
-        else:
-            var.mask, var.mask_kind = m, MASK_TILE
+    _lay_out_mask(q, k, mask, key_padding_mask, var, full)
+
+
+def _lay_out_mask(q, k, mask, key_padding_mask, var: Variants, full=None) -> None:
+    """The masks of a call whose mask arguments passed :func:`_check_mask_and_bias` (in this call,
+    or in its signature's first) stored in ``var`` as the kernels read them: bytes (a free view in
+    eager mode; inductor cannot lower a bool -> uint8 view, so while compiling the unexpanded mask is
+    converted, which it fuses into its producer), one per key (``(batch, seqlen_k)``, MASK_KEYS: no
+    S x S read) where the mask does not vary over heads and queries, else the mask broadcast to the
+    score shape ``full`` (MASK_TILE)."""
+    convert = torch.compiler.is_compiling()
+    if key_padding_mask is not None:  # (batch, seqlen_k): already one boolean per key
+        m = key_padding_mask
+        var.mask, var.mask_kind = (m.to(torch.uint8) if convert else m.view(torch.uint8)), MASK_KEYS
+        return
+    if mask is None:
+        return
+    full = var.score_shape(q, k) if full is None else full
+    m = (mask.to(torch.uint8) if convert else mask.view(torch.uint8)).expand(full)
+    # a size-1 head or query dim (e.g. Sq = 1 when decoding) keeps the stride of the dim it was
+    # unsqueezed next to, and is read at index 0 only
+    if (m.stride(1) == 0 or full[1] == 1) and (m.stride(2) == 0 or full[2] == 1):
+        var.mask, var.mask_kind = m[:, 0, 0, :], MASK_KEYS
+    else:
+        var.mask, var.mask_kind = m, MASK_TILE
 
 
 def _needs_grad(*tensors) -> bool:
@@ -434,11 +452,18 @@ def attention(
 
     For packed variable-length batches, see :func:`attention_varlen`.
     """
-    key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                       "attention")
-    var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
-                     softcap, alibi_slopes, False)
-    _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)  # (every call: it also lays out the mask)
+    # the key covers the bias / mask arguments too: a repeated call (each layer of a padded batch)
+    # skips their checks as well, and only lays its masks out
+    key = _options_key((q, k, v, bias, mask, key_padding_mask), dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, False, "attention")
+    var = _recall(key, dropout_p, q)
+    if var is None:
+        var = _check_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False)
+        _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
+        if key is not None:
+            _remember(key, var)
+    else:
+        _lay_out_mask(q, k, mask, key_padding_mask, var)
     out, lse, _ = _apply("none", var, False, (q, k, v), bias)
     return (out, lse) if return_lse else out
 

@@ -19,9 +19,10 @@ from tritonattn.configs import interpreting
 
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 _warned: set[str] = set()
-# Signatures of calls without attn_mask that passed every check (interface._signature of the three
-# tensors and the options) -> the Variants fields they gave: a repeated call (each layer, each step)
-# skips the checks and the fallback test, whose results depend only on what the key holds.
+# Signatures of calls that passed every check (interface._signature of the three tensors, attn_mask
+# (None or its shape, dtype and device) and the options) -> the Variants fields they gave: a repeated
+# call (each layer, each step) skips the checks and the fallback test, whose results depend only on
+# what the key holds, and only lays out its mask.
 _VALIDATED: dict = {}
 
 
@@ -60,20 +61,12 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """PyTorch's ``scaled_dot_product_attention`` computed by tritonattn's kernels (see the module doc)."""
-    from tritonattn.interface import (
-        _apply,
-        _check_mask_and_bias,
-        _check_options,
-        _check_qkv,
-        _recall,
-        _remember,
-        _signature,
-    )
+    import tritonattn.interface as ti  # (deferred: it imports Triton; one import statement, not eight names)
 
     sig = None
-    if attn_mask is None and not torch.compiler.is_compiling():
-        sig = _signature((query, key, value), (dropout_p, is_causal, scale, enable_gqa))
-    var = _recall(sig, dropout_p, query, _VALIDATED)  # None unless this signature passed the checks
+    if not torch.compiler.is_compiling():
+        sig = ti._signature((query, key, value, attn_mask), (dropout_p, is_causal, scale, enable_gqa))
+    var = ti._recall(sig, dropout_p, query, _VALIDATED)  # None unless this signature passed the checks
     if var is None:
         reason = _fallback_reason(query, key, value, attn_mask)
         if reason is not None:
@@ -94,31 +87,37 @@ def scaled_dot_product_attention(
         if Hq != Hkv and not enable_gqa and Hkv != 1:
             raise RuntimeError(f"The size of tensor a ({Hq}) must match the size of tensor b ({Hkv}) at "
                                "non-singleton dimension 1 (pass enable_gqa=True for grouped-query attention)")
-    B = math.prod(lead) if lead else 1
-    # (..., H, S, D) -> (B, S, H, D) views: no copy when the leading dims flatten
-    q = query.reshape(B, Hq, Sq, D).transpose(1, 2)
-    k = key.reshape(B, Hkv, Sk, D).transpose(1, 2)
-    v = value.reshape(B, Hkv, Sk, D).transpose(1, 2)
-    bias = None
+    four = len(lead) == 1
+    B = lead[0] if four else math.prod(lead)
+    # (..., H, S, D) -> (B, S, H, D) views: no copy when the leading dims flatten (4-d: no reshape at all)
+    if four:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    else:
+        q = query.reshape(B, Hq, Sq, D).transpose(1, 2)
+        k = key.reshape(B, Hkv, Sk, D).transpose(1, 2)
+        v = value.reshape(B, Hkv, Sk, D).transpose(1, 2)
+    bias = mask = None
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
+            m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
+        if m.dtype == torch.bool:
+            mask = m
+        else:
+            bias = m
     if var is None:
-        _check_qkv(q, k, v, names=("query", "key", "value"))
-        var = _check_options(q, k, dropout_p, scale, False, (-1, -1), 0.0, None)
+        ti._check_qkv(q, k, v, names=("query", "key", "value"))
+        var = ti._check_options(q, k, dropout_p, scale, False, (-1, -1), 0.0, None)
         if is_causal:
             var.win_right = Sq - Sk  # top-left: j <= i, i.e. j <= i + (Sk - Sq) + (Sq - Sk)
-        mask = None
-        if attn_mask is not None:
-            m = attn_mask
-            if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
-                m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
-            if m.dtype == torch.bool:
-                mask = m
-            else:
-                bias = m
-        _check_mask_and_bias(q, k, bias, mask, None, var)
+        ti._check_mask_and_bias(q, k, bias, mask, None, var)
         if sig is not None:
-            _remember(sig, var, _VALIDATED)
-    out, _, _ = _apply("none", var, False, (q, k, v), bias)
-    return out.transpose(1, 2).reshape(*lead, Hq, Sq, D)
+            ti._remember(sig, var, _VALIDATED)
+    else:
+        ti._lay_out_mask(q, k, mask, None, var)
+    out, _, _ = ti._apply("none", var, False, (q, k, v), bias)
+    out = out.transpose(1, 2)
+    return out if four else out.reshape(*lead, Hq, Sq, D)
 
 
 class patch_sdpa:
