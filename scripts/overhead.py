@@ -45,6 +45,8 @@ def main() -> int:
     cos, sin = (torch.rand(1100, 32, device=dev, dtype=dt) for _ in range(2))  # rotary tables
     qkv = torch.randn(1, 128, 3, 4, 64, device=dev, dtype=dt)
     cu = torch.tensor([0, 50, 128], dtype=torch.int32, device=dev)  # two packed sequences
+    padding = torch.ones(1, 128, dtype=torch.bool, device=dev)  # a padded batch's key padding mask
+    padding[:, :7] = False
 
     def fwd_bwd():
         out = tritonattn.flash_attn_func(qg, kg, vg, causal=True)
@@ -72,6 +74,10 @@ def main() -> int:
             q1, kc, vc, k1, v1, cos, sin, cache_seqlens=seqlens, causal=True),
         "tritonattn.scaled_dot_product_attention": lambda: tritonattn.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True),
+        "tritonattn.scaled_dot_product_attention, bool mask (B, 1, 1, Sk)": lambda: (
+            tritonattn.scaled_dot_product_attention(qt, kt, vt, attn_mask=padding[:, None, None, :], enable_gqa=True)),
+        "tritonattn.attention, key_padding_mask, causal": lambda: tritonattn.attention(
+            q, k, v, key_padding_mask=padding, causal=True),
         "torch SDPA flash fwd (peer)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
                                                                                enable_gqa=True),
         "torch SDPA flash fwd+bwd (peer)": sdpa_fwd_bwd,
