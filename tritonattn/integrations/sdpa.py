@@ -99,7 +99,7 @@ def scaled_dot_product_attention(
     bias = mask = None
     if attn_mask is not None:
         m = attn_mask
-        if m.dim() > 3 and len(lead) != 1:  # several leading dims: broadcast over them, then flatten
+        if m.dim() > 3 and not four:  # several leading dims: broadcast over them, then flatten
             m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
         if m.dtype == torch.bool:
             mask = m

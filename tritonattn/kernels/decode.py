@@ -23,26 +23,6 @@ from tritonattn.kernels.variants import Variants
 
 
 @triton.jit
-def _fold(q, k, v, cur_n, valid, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2, p_any,
-          win_left, win_right, WIN_LEFT: tl.constexpr, WIN_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-          HAS_ALIBI: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile (``k`` / ``v`` rows ``cur_n``, counted from the left pad; ``valid`` the rows that
-    exist) folded into the online softmax of the query tile: returns ``(m_i, l_i, acc)``."""
-    qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
-    s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
-                       p_any, 0, 0, p_any, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
-                       HAS_ALIBI, False, 0, PRECISION)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_hk, t, take, row0, start,
                  stride_knb, stride_knn, stride_knh, stride_knd, stride_vnb, stride_vnn, stride_vnh, stride_vnd,
                  stride_kcb, stride_kcn, stride_kch, stride_kcd, stride_vcb, stride_vcn, stride_vch, stride_vcd,
@@ -54,9 +34,8 @@ def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_
     rows ``row0 + t`` (``row0``: the cache's old length): in cache row ``cb`` (stride_kcb / stride_vcb
     between cache rows), or through the row's block table ``p_bt`` (PAGED; the strides' first is
     between pages). ROTARY: each key rotated at its row less the left pad ``start``. Rows past
-    ``capacity``, cache rows or pages outside ``cache_rows`` are not written. Returns the (BLOCK_T,
-    BLOCK_D) tiles as written, in the cache's dtype (zero where not ``take``): the append kernel's
-    and the decoding kernel's one code for this step, so the two write the same caches."""
+    ``capacity``, cache rows or pages outside ``cache_rows`` are not written. The append kernel's and
+    the decoding kernel's one code for this step, so the two write the same caches."""
     row = row0 + t
     ok = take & (row >= 0) & (row < capacity)
     if PAGED:
@@ -86,7 +65,6 @@ def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_
     store_ok = ok[:, None] & d_ok[None, :]
     tl.store(K_CACHE + base_k[:, None] + off_hk * stride_kch + offs_d[None, :] * stride_kcd, k, mask=store_ok)
     tl.store(V_CACHE + base_v[:, None] + off_hk * stride_vch + offs_d[None, :] * stride_vcd, v, mask=store_ok)
-    return k, v
 
 
 @triton.jit
@@ -198,11 +176,20 @@ def _decode_split_kernel(
         kv_ok = (cur_n[:, None] < hi) & d_ok[None, :]
         k = tl.load(p_k + _kv_rows(cur_n, k_start, p_bt, page_size, stride_kpage, stride_kn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
+        qk = mma(q, tl.trans(k), None, DOT_FP32, PRECISION)
+        s, _ = scores_log2(qk, qi[:, None], cur_n[None, :], Sq, Sk, qk_scale, softcap_scale, softcap_log2, slope2,
+                           p_k, 0, 0, p_k, 0, 0, win_left, win_right, True, WIN_LEFT, WIN_RIGHT, SOFTCAP,
+                           HAS_ALIBI, False, 0, PRECISION)
+        s = tl.where(cur_n[None, :] < hi, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(p_v + _kv_rows(cur_n, k_start, p_bt, page_size, stride_vpage, stride_vn, Sk, PAGED)[:, None],
                     mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _fold(q, k, v, cur_n, cur_n < hi, m_i, l_i, acc, qi, Sq, Sk, qk_scale, softcap_scale,
-                              softcap_log2, slope2, p_k, win_left, win_right, WIN_LEFT, WIN_RIGHT, SOFTCAP, HAS_ALIBI,
-                              DOT_FP32, PRECISION)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32, PRECISION)
+        m_i = m_new
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -425,7 +412,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
-        BLOCK_NEW=max(1, min(next_pow2(k_new.shape[1] if append else 1), 16)),
+        BLOCK_NEW=min(next_pow2(k_new.shape[1]), 16) if append else 1,
     ))
     if direct:
         return b.finish((out, lse))
