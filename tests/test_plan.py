@@ -168,13 +168,15 @@ def test_forced_config_is_not_replayed_over():
 
 def test_signature_covers_every_field():
     """Changing any field of Variants changes its signature or its tensors (a plan key that missed a
-    field would replay one variant's launches for another)."""
+    field would replay one variant's launches for another); fast_key alone is not an option."""
     base = Variants(softmax_scale=0.5)
     t = torch.zeros(3, dtype=torch.int32)
     other = {"softmax_scale": 0.25, "win_left": 4, "win_right": 0, "softcap": 3.0, "mask_kind": 1,
              "dropout_p": 0.1, "deterministic": True, "max_seqlen_q": 7, "max_seqlen_k": 9, "page_size": 16,
              "kv_page_strides": (1, 2)}
     for f in dataclasses.fields(Variants):
+        if f.name == "fast_key":  # (not an option: the entry point's key that the launcher links to its plan)
+            continue
         changed = dataclasses.replace(base, **{f.name: other.get(f.name, t)})
         assert (changed.signature() != base.signature()
                 or any(a is not b for a, b in zip(changed.tensors(), base.tensors()))), f.name
@@ -260,3 +262,71 @@ def test_gpu_replay_passes_addresses(monkeypatch, setting):
     n = len(launched)
     p.run((q_odd, *inputs[1:]), device)
     assert len(launched) == 2 * n and len(p.compiled) == 2
+
+
+def test_inference_calls_replay_through_the_linked_plan(monkeypatch):
+    """flash_attn_func's inference calls: the first call with a key (interface._fast_key) takes the
+    checks and the launcher, which links the key to its plan; the next call with that key replays the
+    plan alone (its checks would raise here). Each case differs from the one before in one part of
+    the key only (an option, its type, the strides, the dtype): a key that missed it would replay the
+    previous case's launches, which the comparison with a fresh call and the fp64 reference catches."""
+    from tritonattn import interface
+    from tritonattn.testing import attention_ref, check_close
+
+    def make(seed, dtype=F16, transposed=False):
+        gen = torch.Generator().manual_seed(seed)
+        q = (_randn(gen, 2, 4, 37, 40, dtype=dtype).transpose(1, 2) if transposed
+             else _randn(gen, 2, 37, 4, 40, dtype=dtype))
+        return q, _randn(gen, 2, 53, 2, 40, dtype=dtype), _randn(gen, 2, 53, 2, 40, dtype=dtype)
+
+    cases = [(dict(causal=True), {}), (dict(causal=False), {}), (dict(causal=True, window_size=(9, 3)), {}),
+             (dict(causal=True, window_size=[9, 3]), {}), (dict(window_size=(9, -1)), {}),
+             (dict(causal=True, softcap=5.0), {}), (dict(causal=True, softmax_scale=0.3), {}),
+             (dict(causal=True), dict(transposed=True)), (dict(causal=True), dict(dtype=torch.float32))]
+    plan.clear()
+    results = []
+    for i, (kw, how) in enumerate(cases):
+        flash_attn_func(*make(i, **how), **kw)  # checks + launcher: records and links
+        ins = make(100 + i, **how)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(interface, "_validated", lambda *a: pytest.fail(f"case {i}: the linked call took the checks"))
+            out = flash_attn_func(*ins, **kw)
+        assert plan.hits == hits + 1, f"case {i} did not replay"
+        results.append((ins, kw, out))
+    assert len(plan._links) == len(cases) and len(plan._plans) == len(cases) - 1  # (a list window: the tuple's plan)
+    for i, (ins, kw, out) in enumerate(results):
+        plan.clear()
+        fresh = flash_attn_func(*ins, **kw, return_attn_probs=True)[0]  # the full path
+        assert torch.equal(out, fresh), f"case {i}: {kw}"
+        ref_kw = dict(kw, window_size=tuple(kw.get("window_size", (-1, -1))))
+        ref, _ = attention_ref(*ins, **ref_kw)
+        same, _ = attention_ref(*ins, **ref_kw, upcast=False)
+        check_close(f"case {i}", out, ref, same, 2)
+
+
+def test_inference_link_keeps_the_checks_for_other_calls():
+    """A linked key covers only calls that match it: another dtype or an option of another type
+    takes the checks (which raise), a call that needs gradients takes autograd, and a call with
+    one tensor in several roles (not the recorded call's) takes the launcher."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _randn(gen, 1, 24, 2, 32), _randn(gen, 1, 24, 2, 32), _randn(gen, 1, 24, 2, 32)
+    plan.clear()
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True)
+        flash_attn_func(q, k, v, softmax_scale=1)
+    assert len(plan._links) == 2
+    with pytest.raises(TypeError, match="softmax_scale"):  # True == 1, but not a scale
+        flash_attn_func(q, k, v, softmax_scale=True)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attn_func(q, k.float(), v, causal=True)
+    with pytest.raises((TypeError, ValueError), match="window_size"):
+        flash_attn_func(q, k, v, causal=True, window_size=(-1, -1, 0))
+    qg = q.clone().requires_grad_()
+    out = flash_attn_func(qg, k, v, causal=True)
+    out.float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    hits = plan.hits
+    same = flash_attn_func(q, q, q, causal=True)  # the plan binds q, k and v to three slots: not this call
+    assert torch.equal(same, flash_attn_func(q.clone(), q.clone(), q.clone(), causal=True))
+    assert plan.hits >= hits

@@ -189,3 +189,55 @@ def test_signature_refuses_nested_tensors_and_tensor_options():
     assert _signature((t,), (torch.tensor(True),)) is None
     assert _signature((t,), ((1, torch.tensor(2)),)) is None
     assert _signature((t,), (None, True, 1, 0.5, "x", int, (-1, 0))) is not None
+
+
+def test_inference_calls_replay_through_the_linked_plan(monkeypatch):
+    """4-d calls without a mask that need no gradient: the first call with a key (interface._fast_key,
+    tagged "sdpa") takes the checks and links the key to its launch plan; the next call replays the
+    plan alone (the checks would fail here). Cases differ from the one before in one part of the key
+    (is_causal, lengths, scale, GQA, strides): each result against a fresh call and torch in fp64."""
+    from tritonattn import interface
+    from tritonattn.integrations import sdpa
+    from tritonattn.kernels import plan
+
+    def make(seed, Sq, Sk, Hkv, transposed=False):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 4, Sq, 16, generator=gen)
+        if transposed:
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k, v = (torch.randn(2, Hkv, Sk, 16, generator=gen) for _ in range(2))
+        return [t.to(device=DEVICE, dtype=F16) for t in (q, k, v)]
+
+    cases = [((37, 37, 4), dict(is_causal=True)), ((37, 37, 4), dict(is_causal=False)),
+             ((20, 45, 4), dict(is_causal=True)), ((20, 45, 4), dict(is_causal=True, scale=0.3)),
+             ((20, 45, 2), dict(is_causal=True, enable_gqa=True)),
+             ((20, 45, 2), dict(is_causal=True, enable_gqa=True, transposed=True))]
+    plan.clear()
+    results = []
+    for i, (dims, kw) in enumerate(cases):
+        kw = dict(kw)
+        how = dict(transposed=kw.pop("transposed", False))
+        scaled_dot_product_attention(*make(i, *dims, **how), **kw)
+        ins = make(100 + i, *dims, **how)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(sdpa, "_fallback_reason", None)
+            m.setattr(interface, "_check_qkv", None)
+            out = scaled_dot_product_attention(*ins, **kw)
+        assert plan.hits == hits + 1, f"case {i} did not replay"
+        results.append((ins, kw, out))
+    for i, (ins, kw, out) in enumerate(results):
+        plan.clear()
+        with torch.no_grad():
+            assert torch.equal(out, scaled_dot_product_attention(*[t.clone() for t in ins], **kw)), f"case {i}"
+        ref = TORCH_SDPA(*[t.cpu().double() for t in ins], **kw)
+        same = TORCH_SDPA(*[t.cpu() for t in ins], **kw)
+        check_close(f"case {i}", out.cpu(), ref, same, k=2)
+    # a call that matches a linked key but for an option or its type takes the checks
+    q, k, v = make(0, 20, 45, 2)
+    scaled_dot_product_attention(q, k, v, scale=1, enable_gqa=True)
+    scaled_dot_product_attention(q, k, v, scale=1, enable_gqa=True)
+    with pytest.raises(TypeError, match="scale"):
+        scaled_dot_product_attention(q, k, v, scale=True, enable_gqa=True)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v, scale=1)

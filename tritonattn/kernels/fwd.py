@@ -365,14 +365,47 @@ def attention_forward(q, k, v, var: Variants):
     if tma or aligned:  # descriptors need Triton's allocator, a per-thread setting: also for a replay
         _need_allocator()
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, var.signature(),
-           tma, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, aligned,
-           fwd_sm90.TRACE_BUF is not None)  # (a traced launch passes a buffer no plan holds: never replayed)
+           tma, aligned, plan_flags())
     # (heads_first's other inputs are in the key; MAX_GRID_YZ and fwd_sm90's PROGRAMS,
     # HEADS_PER_SECTION, TILES and BY_MASK are constants, changed only by tests, the tuner and the
     # experiment scripts, which clear the plans)
     res = plan.replay(key, inputs, q.device)
     if res is not None:  # the same signature as an earlier call: replayed
+        if var.fast_key is not None:
+            plan.link(var.fast_key, key, tma or aligned)
         return res
+    res = _record(key, inputs, q, k, v, var, tma, aligned)
+    if var.fast_key is not None:
+        plan.link(var.fast_key, key, tma or aligned)
+    return res
+
+
+def plan_flags() -> tuple:
+    """This module's switches that a forward's launch plan depends on (in its key; an entry point's
+    key for :func:`replay_linked` holds them too)."""
+    # (a traced launch passes a buffer no plan holds: never replayed)
+    return TMA, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, fwd_sm90.TRACE_BUF is not None
+
+
+_NO_TENSOR_OPTIONS = (None,) * len(Variants(0.0).tensors())
+
+
+def replay_linked(entry_key, q, k, v) -> tuple | None:
+    """``(out, lse)`` of a call without tensor options (no ALiBi, bias, mask, dropout, lengths or
+    cache) through the launch plan that an earlier :func:`attention_forward` linked to ``entry_key``
+    (``Variants.fast_key``; plan.link), or None: no such plan, or the inputs do not share the tensors
+    the recorded call shared. The entry point's key holds all the launcher's key is made of."""
+    entry = plan.linked(entry_key)
+    if entry is None:
+        return None
+    p, allocator = entry
+    if allocator:
+        _need_allocator()
+    return p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device)
+
+
+def _record(key, inputs, q, k, v, var: Variants, tma: bool, aligned: bool) -> tuple:
+    """:func:`attention_forward`'s full path, recorded as the launch plan of ``key``."""
     b = plan.Builder(key, inputs)
     B, Sq, Sk, Hq, Hkv, D = var.dims(q, k)
     # variable length: token rows outside every sequence get no program, so start from zeros

@@ -20,7 +20,11 @@ safe to replay:
 - no tile config is forced (``configs.override``), autotuning is off, and launches are real
   (``launch.ENABLED``): those change what a launch does without changing the signature.
 
-``clear()`` drops every plan (the tests do between tests that patch the config tables).
+An entry point may also reach a plan without its launcher (:func:`link`, :func:`linked`): a key of
+its own, built from its arguments, that names everything the launcher's key is made of, for calls
+that passed its checks once (flash_attn_func's inference calls: interface._fast_key).
+
+``clear()`` drops every plan and link (the tests do between tests that patch the config tables).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tritonattn import autotune, configs
 from tritonattn.kernels import launch as _launch
 
 _plans: dict = {}
+_links: dict = {}  # an entry point's key of a call -> (the plan its launcher keeps for it, extra)
 _MAX_PLANS = 4096
 hits = 0  # replayed calls (the tests read it)
 # a replayed launch passes its tensors' addresses (ints) to Triton's C launcher, which checks every
@@ -45,6 +50,26 @@ POINTERS = True
 
 def clear() -> None:
     _plans.clear()
+    _links.clear()
+
+
+def link(entry_key, key, extra=None) -> None:
+    """Let ``entry_key`` reach the plan kept under the launcher's ``key`` (if one is kept), with
+    ``extra`` (what the launcher does besides the plan, e.g. setting Triton's allocator). The entry
+    point's key must determine the launcher's: it holds all that the launcher's key is made of (or
+    what that is a function of), and the link is made only for calls that passed the entry point's
+    checks."""
+    p = _plans.get(key)
+    if p is not None:
+        if len(_links) >= _MAX_PLANS:
+            _links.clear()
+        _links[entry_key] = (p, extra)
+
+
+def linked(entry_key) -> tuple | None:
+    """``(plan, extra)`` linked to ``entry_key`` (:func:`link`), or None (none, or replaying is off:
+    see :func:`replay`)."""
+    return _links.get(entry_key) if _replayable() else None
 
 
 def replay(key, inputs: tuple, device) -> tuple | None:

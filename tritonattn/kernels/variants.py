@@ -43,6 +43,9 @@ class Variants:
     block_table: torch.Tensor | None = None
     page_size: int = 0
     kv_page_strides: tuple = (0, 0)
+    # an entry point's key of this call (interface._fast_key): the launcher links it to its launch
+    # plan (plan.link), so that the next call with that key skips the checks and the launcher
+    fast_key: tuple | None = None
 
     def tensors(self) -> tuple:
         """The tensor fields, in a fixed order (None where unset): the slots of a launch plan."""
