@@ -1377,6 +1377,36 @@ def test_training_step_in_a_cuda_graph(poison):
             assert torch.equal(g, e), name
 
 
+def test_inference_in_a_cuda_graph_beside_eager_calls(poison):
+    """Inference calls that return no lse write it to a kept buffer per stream (fwd._discarded), but a
+    captured call gets a fresh one from the graph's pool: graph replays and eager calls of the same
+    signature interleaved give bitwise the same outputs, and the graph's lse buffer is not the kept one."""
+    from tritonattn.kernels import fwd
+
+    torch.manual_seed(7)
+    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=BF16)
+    k, v = (torch.randn(2, 300, 2, 128, device="cuda", dtype=BF16) for _ in range(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, launch plans, the links) outside the capture
+        for _ in range(2):
+            flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    kept = {t.data_ptr() for t in fwd._discards.values()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_func(q, k, v, causal=True)
+    assert {t.data_ptr() for t in fwd._discards.values()} == kept  # the capture kept nothing
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        eager = flash_attn_func(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        ref = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[0]  # (its own lse)
+        assert torch.equal(eager, ref)
+
+
 @pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "one-split"])
 def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph

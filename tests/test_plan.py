@@ -173,7 +173,7 @@ def test_signature_covers_every_field():
     t = torch.zeros(3, dtype=torch.int32)
     other = {"softmax_scale": 0.25, "win_left": 4, "win_right": 0, "softcap": 3.0, "mask_kind": 1,
              "dropout_p": 0.1, "deterministic": True, "max_seqlen_q": 7, "max_seqlen_k": 9, "page_size": 16,
-             "kv_page_strides": (1, 2)}
+             "kv_page_strides": (1, 2), "need_lse": False}
     for f in dataclasses.fields(Variants):
         if f.name == "fast_key":  # (not an option: the entry point's key that the launcher links to its plan)
             continue
@@ -330,3 +330,30 @@ def test_inference_link_keeps_the_checks_for_other_calls():
     same = flash_attn_func(q, q, q, causal=True)  # the plan binds q, k and v to three slots: not this call
     assert torch.equal(same, flash_attn_func(q.clone(), q.clone(), q.clone(), causal=True))
     assert plan.hits >= hits
+
+
+def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
+    """An inference call that does not return its lse writes it to one kept buffer (no allocation per
+    call; fwd._discarded); a call that returns it gets its own, which later calls do not touch
+    (Variants.need_lse is in the plan's key: without it the returning call would replay the kept
+    buffer's plan, and the next call would overwrite the lse it returned)."""
+    from tritonattn.kernels import fwd
+    from tritonattn.testing import attention_ref
+
+    gen = torch.Generator().manual_seed(3)
+    q, q2 = _randn(gen, 2, 19, 4, 32), _randn(gen, 2, 19, 4, 32)
+    k, v = _randn(gen, 2, 23, 2, 32), _randn(gen, 2, 23, 2, 32)
+    plan.clear()
+    fwd._discards.clear()
+    out = tritonattn.attention(q, k, v, causal=True)  # records the plan without an lse of its own
+    assert len(fwd._discards) == 1
+    (kept,) = fwd._discards.values()
+    out_again, lse = tritonattn.attention(q, k, v, causal=True, return_lse=True)
+    assert lse.data_ptr() != kept.data_ptr() and torch.equal(out, out_again)
+    for _ in range(2):  # replayed through the kept buffer, with other queries
+        flash_attn_func(q2, k, v, causal=True)
+        tritonattn.attention(q2, k, v, causal=True)
+    assert len(fwd._discards) == 1
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert torch.allclose(lse, ref_lse.float(), atol=2e-3, rtol=0)
+    assert torch.allclose(out.double(), ref_out, atol=2e-3, rtol=0)

@@ -266,13 +266,17 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, probs, return_attn_probs: bool
     return (out, lse, probs) if return_attn_probs else out
 
 
-def _apply(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias=None) -> tuple:
+def _apply(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias=None, keep_lse: bool = True) -> tuple:
     """``(out, lse, probs)`` through :class:`FlashAttnFunction`; while torch.compile traces, through
-    the torch.library ops instead (no graph break; S_dmask, a testing aid, stays eager)."""
+    the torch.library ops instead (no graph break; S_dmask, a testing aid, stays eager). Without
+    ``keep_lse`` (the caller does not return it) an inference call's lse is written to a buffer that
+    no one reads (``Variants.need_lse``; no allocation per call) and is not to be read."""
     if torch.compiler.is_compiling() and not return_probs:
         out, lse = apply_compiled_packed(packing, var, tensors, bias)
         return out, lse, None
     if not _needs_grad(*tensors, bias):  # inference: skip the autograd machinery (host time per call)
+        if not (keep_lse or return_probs):  # (the probabilities are computed from the lse)
+            var.need_lse = False
         return ops_forward(packing, var, return_probs, tensors, bias)
     if _functorch_active():  # vmap / grad / jvp: Function.apply routes through functorch
         return FlashAttnFunction.apply(packing, var, return_probs, *tensors, bias)
@@ -370,7 +374,7 @@ def flash_attn_func(
     var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
     var.fast_key = fast  # (the launcher links it to its plan)
-    out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v))
+    out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v), keep_lse=return_attn_probs)
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -434,7 +438,7 @@ def flash_attn_kvpacked_func(
     var = _validated(key, dropout_p, q, _check_kvpacked, q, kv, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
     return_probs = return_attn_probs and dropout_p > 0
-    out, lse, probs = _apply("kv", var, return_probs, (q, kv, None))
+    out, lse, probs = _apply("kv", var, return_probs, (q, kv, None), keep_lse=return_attn_probs)
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -458,7 +462,7 @@ def flash_attn_qkvpacked_func(
     var = _validated(key, dropout_p, qkv, _check_qkvpacked, qkv, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
     return_probs = return_attn_probs and dropout_p > 0
-    out, lse, probs = _apply("qkv", var, return_probs, (qkv, None, None))
+    out, lse, probs = _apply("qkv", var, return_probs, (qkv, None, None), keep_lse=return_attn_probs)
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -510,7 +514,7 @@ def attention(
             _remember(key, var)
     else:
         _lay_out_mask(q, k, mask, key_padding_mask, var)
-    out, lse, _ = _apply("none", var, False, (q, k, v), bias)
+    out, lse, _ = _apply("none", var, False, (q, k, v), bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -660,7 +664,7 @@ def _set_varlen(var: Variants, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def _varlen_call(packing, var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs, tensors):
     _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return_probs = return_attn_probs and var.dropout_p > 0
-    out, lse, probs = _apply(packing, var, return_probs, tensors)
+    out, lse, probs = _apply(packing, var, return_probs, tensors, keep_lse=return_attn_probs)
     return _finish(out, lse, probs, return_attn_probs)
 
 
@@ -830,5 +834,5 @@ def attention_varlen(
                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, False)
     _set_varlen(var, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var)
-    out, lse, _ = _apply("none", var, False, (q, k, v), bias)
+    out, lse, _ = _apply("none", var, False, (q, k, v), bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out

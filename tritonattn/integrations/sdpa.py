@@ -123,7 +123,7 @@ def scaled_dot_product_attention(
     else:
         ti._lay_out_mask(q, k, mask, None, var)
     var.fast_key = fast  # (the launcher links it to its plan)
-    out, _, _ = ti._apply("none", var, False, (q, k, v), bias)
+    out, _, _ = ti._apply("none", var, False, (q, k, v), bias, keep_lse=False)
     out = out.transpose(1, 2)
     return out if four else out.reshape(*lead, Hq, Sq, D)
 

@@ -342,6 +342,29 @@ def _scratch(size: int, alignment: int, stream):
     return buf
 
 
+_discards: dict = {}
+
+
+def _discarded(shape, dtype, device) -> torch.Tensor:
+    """A buffer for a result no one reads (the lse of an inference call that does not return it:
+    Variants.need_lse), kept per shape, dtype, device and stream and handed to every such launch: the
+    launches of one stream write it one after another, and no launch reads it (on another stream,
+    another buffer). Fresh under CUDA graph capture (the graph's pool owns it, and a kept buffer
+    could be freed under a graph that writes it). Saves an allocation per call (host time)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (shape, dtype, device, torch._C._cuda_getCurrentRawStream(device.index))
+    else:
+        key = (shape, dtype, device)
+    buf = _discards.get(key)
+    if buf is None:
+        if len(_discards) >= 256:  # (freed blocks go back to their stream's pool: no launch in flight reads them)
+            _discards.clear()
+        buf = _discards[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
 def _need_allocator() -> None:
     """Kernels that build tensor descriptors need Triton's allocator (a context variable: set per
     thread, and only where the caller has not set one of its own)."""
@@ -411,7 +434,7 @@ def _record(key, inputs, q, k, v, var: Variants, tma: bool, aligned: bool) -> tu
     # variable length: token rows outside every sequence get no program, so start from zeros
     alloc = torch.zeros if var.varlen else torch.empty
     out = b.alloc(alloc, q.shape, q.dtype, q.device)
-    lse = b.alloc(alloc, var.lse_shape(q), torch.float32, q.device)
+    lse = b.alloc(alloc if var.need_lse else _discarded, var.lse_shape(q), torch.float32, q.device)
     if out.numel() == 0 or Sq == 0:
         return b.finish((out, lse))
     sm90 = aligned and _on_sm90(q)

@@ -43,6 +43,9 @@ class Variants:
     block_table: torch.Tensor | None = None
     page_size: int = 0
     kv_page_strides: tuple = (0, 0)
+    # False: the caller reads no lse (an inference call that does not return it): the launcher writes it
+    # to a kept buffer (fwd._discarded) instead of a new one
+    need_lse: bool = True
     # an entry point's key of this call (interface._fast_key): the launcher links it to its launch
     # plan (plan.link), so that the next call with that key skips the checks and the launcher
     fast_key: tuple | None = None
@@ -57,6 +60,7 @@ class Variants:
         and shape, strides and dtype of each tensor field (a launch plan's key, kernels/plan.py)."""
         return (self.softmax_scale, self.win_left, self.win_right, self.softcap, self.mask_kind, self.dropout_p,
                 self.deterministic, self.max_seqlen_q, self.max_seqlen_k, self.page_size, self.kv_page_strides,
+                self.need_lse,
                 *(None if t is None else (t.shape, t.stride(), t.dtype) for t in self.tensors()))
 
     @property
