@@ -357,3 +357,28 @@ def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
     ref_out, ref_lse = attention_ref(q, k, v, causal=True)
     assert torch.allclose(lse, ref_lse.float(), atol=2e-3, rtol=0)
     assert torch.allclose(out.double(), ref_out, atol=2e-3, rtol=0)
+
+
+def test_unread_lse_buffers_stay_bounded(monkeypatch):
+    """Inference calls of many lengths (prefills, varlen batches) share one kept block per stream for
+    their unread lse (views of it), not a buffer per shape; a block grows by replacing the old one
+    (whose views go); a result over fwd._DISCARD_KEPT bytes is not kept at all."""
+    from tritonattn.kernels import fwd
+
+    gen = torch.Generator().manual_seed(4)
+    fwd._discards.clear()
+    fwd._discard_bases.clear()
+    monkeypatch.setattr(fwd, "_DISCARD_MIN", 64)  # (lse of 8 bytes per query row here: grows at S = 9, 17)
+    for S in range(1, 21):
+        x = _randn(gen, 1, S, 2, 8)
+        flash_attn_func(x, x, x)
+    assert len(fwd._discard_bases) == 1
+    (base,) = fwd._discard_bases.values()
+    assert base.numel() == 256 and len(fwd._discards) == 4  # (blocks of 64, 128, 256: the last one's views)
+    assert all(t.untyped_storage().data_ptr() == base.data_ptr() for t in fwd._discards.values())
+    monkeypatch.setattr(fwd, "_DISCARD_KEPT", 1024)
+    x = _randn(gen, 1, 300, 2, 8)
+    views = len(fwd._discards)
+    out = flash_attn_func(x, x, x, causal=True)
+    assert len(fwd._discards) == views and fwd._discard_bases[next(iter(fwd._discard_bases))] is base  # not kept
+    assert torch.equal(out, flash_attn_func(x, x, x, causal=True, return_attn_probs=True)[0])

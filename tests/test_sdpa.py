@@ -241,3 +241,23 @@ def test_inference_calls_replay_through_the_linked_plan(monkeypatch):
         scaled_dot_product_attention(q, k, v, scale=True, enable_gqa=True)
     with pytest.raises(RuntimeError, match="enable_gqa"):
         scaled_dot_product_attention(q, k, v, scale=1)
+
+
+def test_tensor_like_arguments_go_to_torch():
+    """Arguments that are not tensors but follow __torch_function__ take torch's SDPA, as before the
+    drop-in's fast path (which must not call a tensor method on them first)."""
+
+    class Wrapped:
+        def __init__(self, t):
+            self.t = t
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda x: x.t if isinstance(x, Wrapped) else x  # noqa: E731
+            return func(*[unwrap(a) for a in args], **{n: unwrap(a) for n, a in (kwargs or {}).items()})
+
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=F32) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = scaled_dot_product_attention(Wrapped(q), Wrapped(k), Wrapped(v), is_causal=True)
+    assert torch.allclose(out, TORCH_SDPA(q, k, v, is_causal=True))

@@ -64,7 +64,8 @@ def scaled_dot_product_attention(
     import tritonattn.interface as ti  # (deferred: it imports Triton; one import statement, not eight names)
 
     fast = None
-    if attn_mask is None and query.dim() == 4:  # an inference call with the key of an earlier one: its plan
+    # an inference call with the key of an earlier one: its launch plan, replayed
+    if attn_mask is None and not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
         fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa))
         if fast is not None:
             res = ti.replay_linked(fast, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))

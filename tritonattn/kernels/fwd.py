@@ -342,27 +342,47 @@ def _scratch(size: int, alignment: int, stream):
     return buf
 
 
-_discards: dict = {}
+_DISCARD_KEPT = 8 << 20  # bytes: a larger unread result is allocated per call (its call's time dwarfs that)
+_DISCARD_MIN = 1 << 16  # bytes: the smallest block kept
+_discard_bases: dict = {}  # (device, stream) -> the bytes every unread result of that stream is written to
+_discards: dict = {}  # (shape, dtype, device, stream) -> a view of its stream's bytes
 
 
 def _discarded(shape, dtype, device) -> torch.Tensor:
     """A buffer for a result no one reads (the lse of an inference call that does not return it:
-    Variants.need_lse), kept per shape, dtype, device and stream and handed to every such launch: the
-    launches of one stream write it one after another, and no launch reads it (on another stream,
-    another buffer). Fresh under CUDA graph capture (the graph's pool owns it, and a kept buffer
-    could be freed under a graph that writes it). Saves an allocation per call (host time)."""
+    Variants.need_lse): a view of one block kept per device and stream (the launches of a stream
+    write it one after another, no launch reads it; another stream has its own), up to
+    _DISCARD_KEPT bytes; the view of each shape is kept too (no view made per call). Larger results,
+    and results under CUDA graph capture (the graph's pool owns them: a kept block could be freed
+    under a graph that writes it), get a fresh tensor. Saves an allocation per call (host time)."""
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.empty(shape, dtype=dtype, device=device)
-        key = (shape, dtype, device, torch._C._cuda_getCurrentRawStream(device.index))
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
     else:
-        key = (shape, dtype, device)
-    buf = _discards.get(key)
-    if buf is None:
-        if len(_discards) >= 256:  # (freed blocks go back to their stream's pool: no launch in flight reads them)
+        stream = None
+    key = (shape, dtype, device, stream)
+    view = _discards.get(key)
+    if view is not None:
+        return view
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if nbytes > _DISCARD_KEPT:
+        return torch.empty(shape, dtype=dtype, device=device)
+    base = _discard_bases.get((device, stream))
+    if base is None or base.numel() < nbytes:
+        # a larger block for this stream: the views of the old one go (they hold it), and the old
+        # block returns to its stream's pool, where no launch in flight reads it
+        for k in [k for k in _discards if k[2] == device and k[3] == stream]:
+            del _discards[k]
+        if len(_discard_bases) >= 64:  # streams come and go: keep the dicts small
+            _discard_bases.clear()
             _discards.clear()
-        buf = _discards[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
+        size = max(nbytes, _DISCARD_MIN, 0 if base is None else min(2 * base.numel(), _DISCARD_KEPT))  # (doubling)
+        base = _discard_bases[(device, stream)] = torch.empty(size, dtype=torch.uint8, device=device)
+    if len(_discards) >= 1024:
+        _discards.clear()
+    view = _discards[key] = base[:nbytes].view(dtype).view(shape)
+    return view
 
 
 def _need_allocator() -> None:

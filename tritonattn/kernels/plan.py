@@ -22,7 +22,8 @@ safe to replay:
 
 An entry point may also reach a plan without its launcher (:func:`link`, :func:`linked`): a key of
 its own, built from its arguments, that names everything the launcher's key is made of, for calls
-that passed its checks once (flash_attn_func's inference calls: interface._fast_key).
+that passed its checks once (the inference calls of flash_attn_func and the SDPA drop-in:
+interface._fast_key).
 
 ``clear()`` drops every plan and link (the tests do between tests that patch the config tables).
 """
