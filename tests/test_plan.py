@@ -382,3 +382,64 @@ def test_unread_lse_buffers_stay_bounded(monkeypatch):
     out = flash_attn_func(x, x, x, causal=True)
     assert len(fwd._discards) == views and fwd._discard_bases[next(iter(fwd._discard_bases))] is base  # not kept
     assert torch.equal(out, flash_attn_func(x, x, x, causal=True, return_attn_probs=True)[0])
+
+
+def test_masked_inference_calls_replay_through_the_linked_plan(monkeypatch):
+    """`attention` with a bool mask or key padding mask, inference: the linked call lays the new mask
+    out as the recorded call's was (its view's sizes and strides over the new mask's bytes, whatever
+    its storage offset) and skips the checks; each case differs from the one before in the mask's
+    role, shape, strides or offset, and is compared with a fresh call and the fp64 reference."""
+    from tritonattn import interface
+    from tritonattn.testing import attention_ref, check_close
+
+    B, Sq, Sk, Hq, Hkv, D = 2, 21, 33, 4, 2, 16
+
+    def masks(gen, kind):
+        keep = lambda *shape: torch.rand(*shape, generator=gen) > 0.3  # noqa: E731
+        if kind == "kpm":
+            return dict(key_padding_mask=keep(B, Sk).to(DEVICE))
+        if kind == "kpm-offset":  # a slice of a larger mask: its storage offset (1 or 2 rows) is not 0
+            off = 1 + (gen.initial_seed() >= 100)
+            return dict(key_padding_mask=keep(B + 2, Sk).to(DEVICE)[off:off + B])
+        if kind == "keys":
+            return dict(mask=keep(B, 1, 1, Sk).to(DEVICE))
+        if kind == "tile":
+            return dict(mask=keep(B, Hq, Sq, Sk).to(DEVICE))
+        if kind == "tile-transposed":
+            return dict(mask=keep(B, Hq, Sk, Sq).to(DEVICE).transpose(-1, -2))
+        if kind == "broadcast":
+            return dict(mask=keep(Sq, Sk).to(DEVICE))
+        raise AssertionError(kind)
+
+    def make(seed, kind):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = _randn(gen, B, Sq, Hq, D), _randn(gen, B, Sk, Hkv, D), _randn(gen, B, Sk, Hkv, D)
+        return (q, k, v), masks(gen, kind)
+
+    cases = [("kpm", {}), ("kpm-offset", {}), ("kpm", dict(causal=True)), ("keys", dict(causal=True)),
+             ("tile", dict(causal=True)), ("tile-transposed", dict(causal=True)), ("broadcast", dict(causal=True)),
+             ("broadcast", dict(causal=True, window_size=(7, 2)))]
+    plan.clear()
+    results = []
+    for i, (kind, kw) in enumerate(cases):
+        ins, m = make(i, kind)
+        tritonattn.attention(*ins, **m, **kw)
+        ins, m = make(100 + i, kind)
+        hits = plan.hits
+        with monkeypatch.context() as mp:
+            mp.setattr(interface, "_recall", lambda *a: pytest.fail(f"case {i}: the linked call took the checks"))
+            out = tritonattn.attention(*ins, **m, **kw)
+        assert plan.hits == hits + 1, f"case {i} did not replay"
+        results.append((ins, m, kw, out))
+    for i, (ins, m, kw, out) in enumerate(results):
+        plan.clear()
+        assert torch.equal(out, tritonattn.attention(*ins, **m, **kw, return_lse=True)[0]), f"case {i}"
+        ref, _ = attention_ref(*ins, **m, **kw)
+        same, _ = attention_ref(*ins, **m, **kw, upcast=False)
+        check_close(f"case {i}", out, ref, same, 2)
+    # a float mask (a bias) or a mask with both arguments: never linked; the checks still raise
+    ins, m = make(0, "kpm")
+    with pytest.raises(ValueError, match="not both"):
+        tritonattn.attention(*ins, mask=m["key_padding_mask"][:, None, None, :], **m)
+    with pytest.raises(TypeError, match="bool"):
+        tritonattn.attention(*ins, key_padding_mask=m["key_padding_mask"].float())

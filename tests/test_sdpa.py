@@ -261,3 +261,49 @@ def test_tensor_like_arguments_go_to_torch():
         warnings.simplefilter("ignore")
         out = scaled_dot_product_attention(Wrapped(q), Wrapped(k), Wrapped(v), is_causal=True)
     assert torch.allclose(out, TORCH_SDPA(q, k, v, is_causal=True))
+
+
+def test_masked_inference_calls_replay_through_the_linked_plan(monkeypatch):
+    """4-d inference calls with a bool attn_mask replay the linked plan with their own mask laid out
+    as the recorded one (the checks would fail here); a float mask (a bias) is never linked."""
+    from tritonattn import interface
+    from tritonattn.integrations import sdpa
+    from tritonattn.kernels import plan
+
+    B, H, Sq, Sk = 2, 4, 19, 27
+
+    def make(seed, mask_shape):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, H, S, 16, generator=gen).to(device=DEVICE, dtype=F16) for S in (Sq, Sk, Sk))
+        mask = torch.rand(*mask_shape, generator=gen) > 0.3
+        mask[..., 0] = True  # (torch's SDPA gives NaN for a row that keeps no key)
+        return (q, k, v), mask.to(DEVICE)
+
+    cases = [((Sq, Sk), {}), ((B, 1, 1, Sk), {}), ((B, H, Sq, Sk), {}), ((B, 1, Sq, Sk), dict(scale=0.2))]
+    plan.clear()
+    results = []
+    for i, (shape, kw) in enumerate(cases):
+        ins, mask = make(i, shape)
+        scaled_dot_product_attention(*ins, attn_mask=mask, **kw)
+        ins, mask = make(100 + i, shape)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(sdpa, "_fallback_reason", None)
+            m.setattr(interface, "_check_qkv", None)
+            out = scaled_dot_product_attention(*ins, attn_mask=mask, **kw)
+        assert plan.hits == hits + 1, f"case {i} did not replay"
+        results.append((ins, mask, kw, out))
+    for i, (ins, mask, kw, out) in enumerate(results):
+        plan.clear()
+        assert torch.equal(out, scaled_dot_product_attention(*ins, attn_mask=mask.clone(), **kw)), f"case {i}"
+        ref = TORCH_SDPA(*[t.cpu().double() for t in ins], attn_mask=mask.cpu(), **kw)
+        same = TORCH_SDPA(*[t.cpu() for t in ins], attn_mask=mask.cpu(), **kw)
+        check_close(f"case {i}", out.cpu(), ref, same, k=2)
+    ins, mask = make(0, (Sq, Sk))
+    bias = torch.where(mask, 0.0, -1e4).to(F16)
+    links = len(plan._links)
+    for _ in range(2):
+        out = scaled_dot_product_attention(*ins, attn_mask=bias)
+    assert len(plan._links) == links
+    check_close("bias", out.cpu(), TORCH_SDPA(*[t.cpu().double() for t in ins], attn_mask=bias.cpu().double()),
+                TORCH_SDPA(*[t.cpu() for t in ins], attn_mask=bias.cpu()), k=2)

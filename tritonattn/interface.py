@@ -392,15 +392,16 @@ def _dense_fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     return _fast_key("dense", q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap, deterministic))
 
 
-def _fast_key(tag: str, q, k, v, options: tuple):
+def _fast_key(tag: str, q, k, v, options: tuple, mask=None):
     """Key of an entry point's (``tag``'s) call that needs no gradient and has no tensor option
-    (ALiBi, mask, bias) or dropout (``options[0]``, the dropout probability, is 0): the tensors'
-    shapes, strides, dtypes and devices and whether they are 16-byte aligned, the options with their
-    types, and the forward launcher's switches: all that the entry point's checks and its launch
-    plan's key (kernels/fwd.py) are functions of. The first call with a key takes both, and the
-    launcher links the key to its plan (``Variants.fast_key``); the next call with it replays the plan
-    (``fwd.replay_linked``). None for any other call, which takes the full path (also while
-    torch.compile traces and under functorch transforms)."""
+    (ALiBi, bias) but a bool ``mask`` (its one mask argument, or None) and no dropout (``options[0]``,
+    the dropout probability, is 0): the tensors' shapes, strides, dtypes and devices, whether q, k
+    and v are 16-byte aligned, the options with their types, and the forward launcher's switches: all
+    that the entry point's checks and its launch plan's key (kernels/fwd.py) are functions of. The
+    first call with a key takes both, and the launcher links the key to its plan
+    (``Variants.fast_key``); the next call with it replays the plan (``fwd.replay_linked``). None for
+    any other call, which takes the full path (also while torch.compile traces and under functorch
+    transforms)."""
     if torch.compiler.is_compiling() or _functorch_active():
         return None
     types = tuple(map(type, options))
@@ -412,9 +413,16 @@ def _fast_key(tag: str, q, k, v, options: tuple):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
+    if mask is None:
+        mask_key = None
+    elif type(mask) is _Tensor and mask.dtype == torch.bool and not mask.is_nested:
+        mask_key = (mask.shape, mask.stride(), mask.device)
+    else:
+        return None
     kv_ptrs = k.data_ptr() | v.data_ptr()
     return (tag, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, types, options, (q.data_ptr() | kv_ptrs) & 15 == 0, kv_ptrs & 15 == 0, plan_flags())
+            v.dtype, v.device, mask_key, types, options, (q.data_ptr() | kv_ptrs) & 15 == 0, kv_ptrs & 15 == 0,
+            plan_flags())
 
 
 def flash_attn_kvpacked_func(
@@ -502,6 +510,18 @@ def attention(
 
     For packed variable-length batches, see :func:`attention_varlen`.
     """
+    fast = None
+    if bias is None and alibi_slopes is None and not return_lse and (mask is None or key_padding_mask is None):
+        tw = type(window_size)
+        if (tw is tuple or tw is list) and len(window_size) == 2:
+            left, right = window_size
+            fast = _fast_key("attention", q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap,
+                                                    mask is None, key_padding_mask is None),
+                             key_padding_mask if mask is None else mask)
+        if fast is not None:  # an inference call with the key of an earlier one: its launch plan, replayed
+            res = replay_linked(fast, q, k, v, key_padding_mask if mask is None else mask)
+            if res is not None:
+                return res[0]
     # the key covers the bias / mask arguments too: a repeated call (each layer of a padded batch)
     # skips their checks as well, and only lays its masks out
     key = _options_key((q, k, v, bias, mask, key_padding_mask), dropout_p, softmax_scale, causal, window_size,
@@ -514,6 +534,7 @@ def attention(
             _remember(key, var)
     else:
         _lay_out_mask(q, k, mask, key_padding_mask, var)
+    var.fast_key = fast  # (the launcher links it to its plan)
     out, lse, _ = _apply("none", var, False, (q, k, v), bias, keep_lse=return_lse)
     return (out, lse) if return_lse else out
 

@@ -64,11 +64,12 @@ def scaled_dot_product_attention(
     import tritonattn.interface as ti  # (deferred: it imports Triton; one import statement, not eight names)
 
     fast = None
-    # an inference call with the key of an earlier one: its launch plan, replayed
-    if attn_mask is None and not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
-        fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa))
+    # an inference call (no mask, or a bool one) with the key of an earlier one: its launch plan, replayed
+    if not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
+        fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa), attn_mask)
         if fast is not None:
-            res = ti.replay_linked(fast, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+            res = ti.replay_linked(fast, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                   attn_mask)
             if res is not None:
                 return res[0].transpose(1, 2)
     sig = None

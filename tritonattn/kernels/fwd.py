@@ -413,13 +413,13 @@ def attention_forward(q, k, v, var: Variants):
     # HEADS_PER_SECTION, TILES and BY_MASK are constants, changed only by tests, the tuner and the
     # experiment scripts, which clear the plans)
     res = plan.replay(key, inputs, q.device)
-    if res is not None:  # the same signature as an earlier call: replayed
-        if var.fast_key is not None:
-            plan.link(var.fast_key, key, tma or aligned)
-        return res
-    res = _record(key, inputs, q, k, v, var, tma, aligned)
+    if res is None:  # a new signature: recorded
+        res = _record(key, inputs, q, k, v, var, tma, aligned)
     if var.fast_key is not None:
-        plan.link(var.fast_key, key, tma or aligned)
+        # with the mask's layout: the entry point's key holds the user's mask's shape and strides, of
+        # which the laid-out view's (var.mask) are a function
+        layout = None if var.mask is None else (var.mask.size(), var.mask.stride())
+        plan.link(var.fast_key, key, (tma or aligned, layout))
     return res
 
 
@@ -431,20 +431,28 @@ def plan_flags() -> tuple:
 
 
 _NO_TENSOR_OPTIONS = (None,) * len(Variants(0.0).tensors())
+_MASK_SLOT = 2  # Variants.tensors()'s mask
+assert Variants(0.0, mask=torch.empty(0)).tensors()[_MASK_SLOT] is not None
 
 
-def replay_linked(entry_key, q, k, v) -> tuple | None:
-    """``(out, lse)`` of a call without tensor options (no ALiBi, bias, mask, dropout, lengths or
-    cache) through the launch plan that an earlier :func:`attention_forward` linked to ``entry_key``
-    (``Variants.fast_key``; plan.link), or None: no such plan, or the inputs do not share the tensors
-    the recorded call shared. The entry point's key holds all the launcher's key is made of."""
+def replay_linked(entry_key, q, k, v, mask=None) -> tuple | None:
+    """``(out, lse)`` of a call without tensor options (no ALiBi, bias, dropout, lengths or cache)
+    but a bool ``mask`` (the user's mask or key padding mask, or None) through the launch plan that
+    an earlier :func:`attention_forward` linked to ``entry_key`` (``Variants.fast_key``; plan.link),
+    or None: no such plan, or the inputs do not share the tensors the recorded call shared. The
+    entry point's key holds all the launcher's key is made of; the mask is laid out as the recorded
+    call's was (its bytes, with the recorded view's sizes and strides)."""
     entry = plan.linked(entry_key)
     if entry is None:
         return None
-    p, allocator = entry
+    p, (allocator, layout) = entry
     if allocator:
         _need_allocator()
-    return p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device)
+    if layout is None:
+        return p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device)
+    options = list(_NO_TENSOR_OPTIONS)
+    options[_MASK_SLOT] = mask.view(torch.uint8).as_strided(*layout)
+    return p.run((q, k, v, *options), q.device)
 
 
 def _record(key, inputs, q, k, v, var: Variants, tma: bool, aligned: bool) -> tuple:
