@@ -364,8 +364,8 @@ def flash_attn_func(
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in the input dtype, or
         ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``.
     """
-    fast = None if return_attn_probs else _dense_fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                                            softcap, alibi_slopes, deterministic)
+    fast = None if return_attn_probs else _options_fast_key("dense", q, k, v, dropout_p, softmax_scale, causal,
+                                                              window_size, softcap, alibi_slopes, (deterministic,))
     if fast is not None:  # an inference call with the key of an earlier one: its launch plan, replayed
         res = replay_linked(fast, q, k, v)
         if res is not None:
@@ -381,15 +381,18 @@ def flash_attn_func(
 _FAST_OPTION_TYPES = frozenset((type(None), bool, int, float, type))
 
 
-def _dense_fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
-    """:func:`_fast_key` of a :func:`flash_attn_func` call (None with ALiBi slopes, a tensor)."""
+def _options_fast_key(tag: str, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      more: tuple, mask=None):
+    """:func:`_fast_key` of a call with flash_attn_func's options (the window as its type and two
+    entries) and ``more`` (the entry point's own); None with ALiBi slopes (a tensor) or a window
+    that is not a list or tuple of two."""
     if alibi_slopes is not None:
         return None
     tw = type(window_size)
     if (tw is not tuple and tw is not list) or len(window_size) != 2:
         return None
     left, right = window_size
-    return _fast_key("dense", q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap, deterministic))
+    return _fast_key(tag, q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap, *more), mask)
 
 
 def _fast_key(tag: str, q, k, v, options: tuple, mask=None):
@@ -511,15 +514,12 @@ def attention(
     For packed variable-length batches, see :func:`attention_varlen`.
     """
     fast = None
-    if bias is None and alibi_slopes is None and not return_lse and (mask is None or key_padding_mask is None):
-        tw = type(window_size)
-        if (tw is tuple or tw is list) and len(window_size) == 2:
-            left, right = window_size
-            fast = _fast_key("attention", q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap,
-                                                    mask is None, key_padding_mask is None),
-                             key_padding_mask if mask is None else mask)
+    if bias is None and not return_lse and (mask is None or key_padding_mask is None):
+        one_mask = key_padding_mask if mask is None else mask
+        fast = _options_fast_key("attention", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                 alibi_slopes, (mask is None, key_padding_mask is None), one_mask)
         if fast is not None:  # an inference call with the key of an earlier one: its launch plan, replayed
-            res = replay_linked(fast, q, k, v, key_padding_mask if mask is None else mask)
+            res = replay_linked(fast, q, k, v, one_mask)
             if res is not None:
                 return res[0]
     # the key covers the bias / mask arguments too: a repeated call (each layer of a padded batch)
