@@ -56,18 +56,43 @@ def test_fit_passes_other_errors_through():
 
 
 def test_launch_cache_key_of_arguments():
-    """The launch cache's argument key: ints by value, tensors by dtype and 16-byte alignment (what
-    Triton specializes on), tensor subclasses like plain tensors, anything else by type."""
+    """The launch cache's argument key: ints by what Triton specializes them on, tensors by dtype
+    and 16-byte alignment (what Triton specializes pointers on), tensor subclasses like plain
+    tensors, anything else by type."""
     import torch
 
-    from tritonattn.kernels.launch import _args_key, _key_of
+    from tritonattn.kernels.launch import _args_key, _key_of, int_class
 
     t = torch.zeros(64)
-    args = (t, t[1:], torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), 16, 1, 7, 2.5, None, True)
+    args = (t, t[1:], torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)), 16, 1, 7, 2.5, None, True, 1 << 40)
     key = _args_key(args)
     assert key == tuple(map(_key_of, args))
-    assert key[:6] == ((torch.float32, True), (torch.float32, False), (torch.float16, True), 16, 1, 7)
-    assert key[6:] == (float, None, bool)
+    assert key[:6] == ((torch.float32, True), (torch.float32, False), (torch.float16, True), int_class(16),
+                       int_class(1), int_class(7))
+    assert key[6:9] == (float, None, bool)
+    assert len({int_class(a) for a in (16, 1, 7, 1 << 40)}) == 4
+    assert int_class(7) == int_class(1001) and int_class(16) == int_class(4096)  # a growing length: one kernel
+
+
+def test_launch_cache_int_classes_follow_triton():
+    """Two integers with one :func:`launch.int_class` must specialize alike in Triton (what it
+    compiles a kernel for); each class Triton tells apart must be told apart here too, or a cached
+    kernel would be launched with an integer it was not compiled for (a wrong 1-specialization or
+    divisibility assumption, a 64-bit value in a 32-bit argument)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from tritonattn.kernels.launch import _args_key, int_class
+
+    edges = [0, 1, 2, 15, 16, 17, 31, 32, 48, 4095, 4096, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+             2**32 + 1, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1]
+    values = sorted({s * v for v in edges for s in (1, -1) if -(2**63) <= s * v < 2**64} | set(range(-40, 70)))
+    seen = {}
+    for a in values:
+        spec = native_specialize_impl(BaseBackend, a, False, True, True)
+        assert _args_key((a,)) == (int_class(a),)
+        assert seen.setdefault(int_class(a), spec) == spec, (a, spec, seen[int_class(a)])
+    assert len(seen) == len(set(seen.values()))  # and no class split finer than Triton's
 
 
 def test_launch_cache_tail_takes_defaults():

@@ -787,6 +787,38 @@ def test_fast_launch_path_matches_plain_path(poison):
         check_against_reference(q, k, v, out, lse, grads, dout, True)
 
 
+def test_growing_key_count_takes_the_cached_kernels(poison):
+    """A generation loop over a growing cache (transformers' DynamicCache: Sk + 1 each step, strides
+    of the full cache) launches with new integers every call; those that specialize as an earlier
+    call's did (launch.int_class) take the cached kernel with their own values, and each step equals
+    the plain path and the reference. A length that is a multiple of 16, or a stride, that changes
+    class gets a kernel of its own."""
+    from tritonattn.kernels import launch
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    kc = torch.randn(B, Hkv, 400, D, device=DEVICE, dtype=BF16)
+    vc = torch.randn(B, Hkv, 400, D, device=DEVICE, dtype=BF16)
+    q = torch.randn(B, 1, Hq, D, device=DEVICE, dtype=BF16)
+    plan.clear()
+    entries = []
+    for sk in (301, 302, 303, 304, 305, 320, 333):  # 304 / 320: divisible by 16
+        k, v = kc[:, :, :sk].transpose(1, 2), vc[:, :, :sk].transpose(1, 2)
+        before = len(launch._cache)
+        out = flash_attn_func(q, k, v)
+        entries.append(len(launch._cache) - before)
+        launch.ENABLED = False
+        try:
+            plain = flash_attn_func(q, k, v)
+        finally:
+            launch.ENABLED = True
+        assert torch.equal(out, plain), sk
+        check_against_reference(q, k, v, out, None, None, None, False)
+    # the first of each class compiles / caches; 302, 303, 305 and 333 reuse 301's, 320 304's
+    assert entries[1] == entries[2] == entries[4] == entries[6] == 0, entries
+    assert entries[0] > 0
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D,tma", [(64, True), (96, True), (128, True), (256, True), (128, False)],
                          ids=["D64", "D96", "D128", "D256", "D128-pointer-atomics"])

@@ -3,12 +3,14 @@
 ``JITFunction.__getitem__(grid)(...)`` spends most of a small call's host time (about 40 of the
 71 microseconds of a forward launch on the H200, scripts/overhead.py) binding and specializing
 arguments before it reaches the C launcher. Here the compiled kernel of a call is cached under a key
-that fixes Triton's specialization exactly: the values of the integer arguments (Triton specializes
-integers on == 1, divisibility by 16 and 32/64-bit range, all functions of the value), the dtype and
-16-byte alignment of each tensor (what Triton specializes pointers on), the type of the other
-arguments, the constexprs and the launch options. A repeated call (same shapes, strides and flags:
-every training step, every decoding step) goes straight to the C launcher; a new key takes Triton's
-own path once, which compiles if needed and returns the kernel that is then cached.
+that fixes Triton's specialization exactly: for each integer argument what Triton specializes it
+on (== 1, divisibility by 16, its 32 / 64-bit type: :func:`int_class`), the dtype and 16-byte
+alignment of each tensor (what Triton specializes pointers on), the type of the other arguments,
+the constexprs and the launch options. A call whose integers specialize as an earlier call's did
+(same flags; shapes and strides of the same classes: every training step, every decoding step, and
+a generation loop whose key count grows by one each step) goes straight to the C launcher with its
+own values; a new key takes Triton's own path once, which compiles if needed and returns the kernel
+that is then cached.
 
 Triton's launch hooks (profilers) are honoured as JITFunction.run honours them. Off under the
 interpreter.
@@ -79,11 +81,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def int_class(a: int) -> int:
+    """What Triton 3.6 specializes an integer argument on, as one int: -1 for the value 1 (a
+    constexpr then), else divisibility by 16 (bit 0), the 32-bit range (bit 1, an i32 argument) and
+    2^63 or more (bit 2, u64; otherwise i64). Never coarser than Triton's own key (tests/test_configs
+    compares them): two integers of one class take the same compiled kernel."""
+    return -1 if a == 1 else ((a & 15) == 0) + 2 * (-0x80000000 <= a <= 0x7FFFFFFF) + 4 * (a >= 1 << 63)
+
+
 def _key_of(a):
     """What Triton specializes one argument on (see the module docstring)."""
     t = type(a)
     if t is int:
-        return a
+        return int_class(a)
     if t is torch.Tensor or isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if a is None:
@@ -97,8 +107,12 @@ _Tensor = torch.Tensor
 def _args_key(args: tuple) -> tuple:
     """``tuple(map(_key_of, args))`` with the two common cases inlined (6 of 15 us at 56 arguments on
     a 2-core CPU); tensor subclasses and other types take ``_key_of``."""
-    return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor else _key_of(a)
+    return tuple([(-1 if a == 1 else ((a & 15) == 0) + 2 * (-0x80000000 <= a <= 0x7FFFFFFF) + 4 * (a >= _U64))
+                  if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor else _key_of(a)
                   for a in args])
+
+
+_U64 = 1 << 63
 
 
 @functools.cache
