@@ -787,14 +787,16 @@ def test_fast_launch_path_matches_plain_path(poison):
         check_against_reference(q, k, v, out, lse, grads, dout, True)
 
 
-def test_growing_key_count_takes_the_cached_kernels(poison):
+@pytest.mark.parametrize("dense_decode", [True, False], ids=["decoding-kernel", "forward-kernel"])
+def test_growing_key_count_takes_the_cached_kernels(dense_decode, poison, monkeypatch):
     """A generation loop over a growing cache (transformers' DynamicCache: Sk + 1 each step, strides
     of the full cache) launches with new integers every call; those that specialize as an earlier
     call's did (launch.int_class) take the cached kernel with their own values, and each step equals
     the plain path and the reference. A length that is a multiple of 16, or a stride, that changes
-    class gets a kernel of its own."""
+    class gets a kernel of its own. On both kernels that such a call may take (configs.dense_decode)."""
     from tritonattn.kernels import launch
 
+    monkeypatch.setattr(configs, "DENSE_DECODE", dense_decode)
     torch.manual_seed(0)
     B, Hq, Hkv, D = 2, 8, 2, 64
     kc = torch.randn(B, Hkv, 400, D, device=DEVICE, dtype=BF16)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DEVICE, check_against_reference, to_paged
+from conftest import DEVICE, case_id, check_against_reference, to_paged
 
 from tritonattn import flash_attn_with_kvcache
 from tritonattn.inference import apply_rotary
@@ -454,3 +454,121 @@ def test_kvcache_is_inference_only_with_inputs_that_require_grad(poison, monkeyp
         monkeypatch.setattr(inference, "DECODE_MAX_ROWS", rows)
         out = flash_attn_with_kvcache(q, kc, vc, kn, kn.detach().clone(), cache_seqlens=5, causal=True)
         assert not out.requires_grad and out.grad_fn is None and not kc.requires_grad
+
+
+# Dense calls shaped like a decoding step (configs.dense_decode): flash_attn_func and the other dense
+# entry points take the split-KV decoding kernel over all of k / v.
+DENSE_DECODE_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal, dtype, options
+    (2, 1, 300, 8, 2, 64, False, F16, {}),
+    (1, 3, 700, 4, 4, 40, True, torch.float32, {}),
+    (3, 2, 257, 6, 1, 128, True, torch.bfloat16, dict(window_size=(100, 0), softcap=5.0)),
+    (2, 1, 300, 8, 2, 80, False, F16, dict(alibi=True, transposed=True)),
+    (1, 16, 520, 8, 2, 64, True, F16, dict(window_size=(60, 3))),  # 64 query rows per kv head: the limit
+]
+
+
+def _dense_decode_id(case):
+    B, Sq, Sk, Hq, Hkv, D, causal, dtype, opts = case
+    return case_id(B, Sq, Sk, Hq, Hkv, D, causal, dtype, "-".join(sorted(opts)))
+
+
+def _decode_spy(monkeypatch):
+    """The calls that reach kernels/decode.py's decode_forward."""
+    from tritonattn.kernels import decode
+
+    calls, real = [], decode.decode_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "decode_forward", spy)
+    return calls
+
+
+def _decode_inputs(B, Sq, Sk, Hq, Hkv, D, dtype, opts, grad=False):
+    q = torch.randn(B, Sq, Hq, D, device=DEVICE).to(dtype)
+    if opts.get("transposed"):  # a (B, Hkv, S, D) cache seen as (B, S, Hkv, D), as transformers keeps it
+        k, v = (torch.randn(B, Hkv, Sk, D, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, Sk, Hkv, D, device=DEVICE).to(dtype) for _ in range(2))
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = {name: opts[name] for name in ("window_size", "softcap") if name in opts}
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(Hq, device=DEVICE) * 0.3
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("case", DENSE_DECODE_CASES, ids=_dense_decode_id)
+def test_dense_decode_shapes_take_the_decoding_kernel(case, poison, monkeypatch):
+    """flash_attn_func with a few queries per kv head over many keys goes to the decoding kernel:
+    out, lse and (through the usual backward, from its lse) the gradients against the fp64
+    reference; a second call replays the plan (linked for the inference calls) bitwise; with the
+    route off (the forward kernel) the same within the tolerance rule."""
+    from tritonattn import configs, flash_attn_func
+    from tritonattn.kernels import plan
+
+    B, Sq, Sk, Hq, Hkv, D, causal, dtype, opts = case
+    torch.manual_seed(Sk + Sq)
+    calls = _decode_spy(monkeypatch)
+    q, k, v, kw = _decode_inputs(B, Sq, Sk, Hq, Hkv, D, dtype, opts, grad=True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kw)
+    assert calls == [q.shape], "a decode-shaped dense call did not take the decoding kernel"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_kw = dict(kw)
+    check_against_reference(q, k, v, out, lse, grads, dout, causal, **ref_kw)
+    # inference calls: the second replays the first's plan through the entry point's link
+    with torch.no_grad():
+        first = flash_attn_func(q, k, v, causal=causal, **kw)
+        hits = plan.hits
+        second = flash_attn_func(q, k, v, causal=causal, **kw)
+    assert plan.hits == hits + 1 and torch.equal(first, second)
+    assert torch.equal(first, out.detach()), "the inference call's result differs from the training call's"
+    monkeypatch.setattr(configs, "DENSE_DECODE", False)
+    n = len(calls)
+    with torch.no_grad():
+        off, off_lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kw)
+    assert len(calls) == n
+    check_against_reference(q, k, v, off, off_lse, None, None, causal, **ref_kw)
+
+
+def test_dense_decode_route_limits(poison, monkeypatch):
+    """What stays on the forward kernel: more than DENSE_DECODE_ROWS query rows per kv head, fewer
+    than DENSE_DECODE_MIN_KEYS keys, a bias, a mask, dropout, batch invariance, packed (varlen)
+    calls; the SDPA drop-in and `attention` take the route where flash_attn_func does."""
+    from tritonattn import attention, configs, flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+
+    torch.manual_seed(5)
+    calls = _decode_spy(monkeypatch)
+    Hq, Hkv, D = 8, 2, 32
+    q, k, v, _ = _decode_inputs(2, 16, 300, Hq, Hkv, D, F16, {})
+    with torch.no_grad():
+        flash_attn_func(q, k, v)  # 16 x 4 = 64 rows per kv head
+        assert len(calls) == 1
+        flash_attn_func(q[:, :1], k[:, :256], v[:, :256])  # the fewest keys
+        assert len(calls) == 2
+        out = scaled_dot_product_attention(q[:, :1].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           enable_gqa=True)
+        assert len(calls) == 3
+        check_against_reference(q[:, :1], k, v, out.transpose(1, 2), None, None, None, False)
+        attention(q[:, :2], k, v, causal=True)
+        assert len(calls) == 4
+        stay = [
+            lambda: flash_attn_func(torch.cat([q, q[:, :1]], 1), k, v),  # 17 x 4 = 68 rows
+            lambda: flash_attn_func(q[:, :1], k[:, :255], v[:, :255]),
+            lambda: attention(q[:, :1], k, v, bias=torch.randn(300, device=DEVICE).to(F16)),
+            lambda: attention(q[:, :1], k, v, key_padding_mask=torch.ones(2, 300, dtype=torch.bool, device=DEVICE)),
+            lambda: flash_attn_func(q[:, :1], k, v, dropout_p=0.1),
+            lambda: flash_attn_varlen_func(q[:, :1].reshape(2, Hq, D), k.reshape(600, Hkv, D), v.reshape(600, Hkv, D),
+                                           torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+                                           torch.tensor([0, 300, 600], dtype=torch.int32, device=DEVICE), 1, 300),
+        ]
+        for i, call in enumerate(stay):
+            call()
+            assert len(calls) == 4, f"call {i} took the decoding kernel"
+        monkeypatch.setattr(configs, "BATCH_INVARIANT", True)
+        flash_attn_func(q[:, :1], k, v)
+        assert len(calls) == 4

@@ -120,6 +120,27 @@ DKDV_MASKED_STAGES: int | None = max(1, int(os.environ["TRITONATTN_DKDV_MASKED_S
 # those tiles gained 3-21% at S <= 1024 (benchmarks/NOTES.md).
 BATCH_INVARIANT: bool = env_flag("TRITONATTN_BATCH_INVARIANT")
 
+# Dense calls shaped like a decoding step (a few queries per kv head over many keys: transformers'
+# generate calls flash_attn_func with one query over its whole cache each step) take the split-KV
+# decoding kernel (kernels/decode.py: a kv head's GQA group of queries in one tile, the keys split
+# over the SMs) instead of the forward kernel (a program per query head, whose one query row fills a
+# 64-128-row tile, and only B x Hq programs). Up to DENSE_DECODE_ROWS query rows (Sq x group) per kv
+# head, from DENSE_DECODE_MIN_KEYS keys; not with a bias, a mask, dropout or BATCH_INVARIANT (the
+# decoding kernel's splits follow the batch). TRITONATTN_DENSE_DECODE=0 (read once here) keeps
+# every dense call on the forward kernel. Such a call is then within rounding, not bitwise, of the
+# same sequence inside a packed (varlen) call, which keeps the forward kernel.
+DENSE_DECODE: bool = env_flag("TRITONATTN_DENSE_DECODE", default=True)
+DENSE_DECODE_ROWS = 64
+DENSE_DECODE_MIN_KEYS = 256
+
+
+def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
+    """Whether a dense call of these sizes (with no bias, mask or dropout) takes the decoding kernel
+    (see :data:`DENSE_DECODE`)."""
+    return (DENSE_DECODE and not BATCH_INVARIANT and 0 < Sq * (Hq // Hkv) <= DENSE_DECODE_ROWS
+            and Sk >= DENSE_DECODE_MIN_KEYS)
+
+
 # CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
 MAX_GRID_YZ = 65535
 

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from tritonattn import configs
 from tritonattn.kernels import plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
-from tritonattn.kernels.fwd import _hopper, _kv_rows
+from tritonattn.kernels.fwd import _discarded, _hopper, _kv_rows
 from tritonattn.kernels.launch import cdiv, next_pow2, program_grid, sm_count
 from tritonattn.kernels.variants import Variants
 
@@ -87,7 +87,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr,
+    LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr, HAS_LENS: tl.constexpr = True,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
@@ -100,7 +100,8 @@ def _decode_split_kernel(
     ``KV_LENS[b]`` rows; the program whose split holds new rows writes them (keys rotated at their
     row less the left pad under ROTARY) into the cache for its kv head, in tiles of BLOCK_NEW rows
     (``_append_rows``, the append kernel's code), before its loop reads them back. Rows past ``capacity``,
-    cache rows or pages out of ``cache_rows`` are not written."""
+    cache rows or pages out of ``cache_rows`` are not written. Not HAS_LENS (a dense call: KV_LENS
+    unread): each batch row's keys are all ``capacity`` rows."""
     if PDL:
         gdc_launch_dependents()
     pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
@@ -119,7 +120,10 @@ def _decode_split_kernel(
     k_start = 0
     if HAS_LEFTPAD:
         k_start = tl.load(KV_LEFTPAD + off_b).to(tl.int64)
-    lens = tl.load(KV_LENS + off_b)
+    if HAS_LENS:
+        lens = tl.load(KV_LENS + off_b)
+    else:  # a dense call (fwd.attention_forward): every key of the cache
+        lens = (capacity + 0 * off_b).to(tl.int32)
     if APPEND:
         lens += n_new
     Sk = lens - k_start
@@ -366,14 +370,23 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     ``new``: the cache's step before attention, done by the kernel (see ``cache_append``):
     ``(k_new, v_new, cos, sin, interleaved, local, cache_rows)``, the new tokens (or None) appended
     after ``var.kv_lens`` rows, rotary tables (or None) applied to q and the new keys, and the cache's
-    rows (pages when paged)."""
+    rows (pages when paged). Without ``var.kv_lens`` (a dense call routed here by
+    fwd.attention_forward, configs.dense_decode), every batch row's keys are the ``capacity`` rows of
+    k / v, and an entry point's key (``var.fast_key``) is linked to the plan as the forward's is."""
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
            var.signature(), capacity, num_splits, PDL,
            new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
     res = plan.replay(key, inputs, q.device)
-    if res is not None:  # the same signature as an earlier call (every step of a decoding loop): replayed
-        return res
+    if res is None:  # a new signature (else the same as an earlier call's, every step of a decoding loop)
+        res = _record(key, inputs, q, k, v, var, capacity, num_splits, new)
+    if var.fast_key is not None:  # (no tensor descriptors here: Triton's allocator is not needed)
+        plan.link(var.fast_key, key, (False, None))
+    return res
+
+
+def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int, new: tuple | None):
+    """:func:`decode_forward`'s full path, recorded as the launch plan of ``key``."""
     b = plan.Builder(key, inputs)
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -387,7 +400,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     direct = splits == 1  # one split: the kernel writes out / lse itself
     pdl = PDL and not direct and _pdl_ok(q)
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
-    lse = b.alloc(torch.empty, (B, Hq, Sq), torch.float32, q.device)
+    lse = b.alloc(torch.empty if var.need_lse else _discarded, (B, Hq, Sq), torch.float32, q.device)
     o_part = out if direct else b.alloc(torch.empty, (splits, B, Hq, Sq, D), torch.float32, q.device)
     lse_part = lse if direct else b.alloc(torch.empty, (splits, B, Hq, Sq), torch.float32, q.device)
     c = var.constexprs()
@@ -412,7 +425,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         DOT_FP32=configs.dot_in_fp32(q.dtype), PRECISION=configs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
-        BLOCK_NEW=min(next_pow2(k_new.shape[1]), 16) if append else 1,
+        BLOCK_NEW=min(next_pow2(k_new.shape[1]), 16) if append else 1, HAS_LENS=var.kv_lens is not None,
     ))
     if direct:
         return b.finish((out, lse))

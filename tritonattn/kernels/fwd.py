@@ -401,6 +401,10 @@ def attention_forward(q, k, v, var: Variants):
     Returns ``(out, lse)``: out like q's shape and dtype; lse float32, (B, Hq, Sq) dense or
     (Hq, total_q) variable length, contiguous.
     """
+    if (not var.varlen and var.kv_lens is None and var.block_table is None and var.bias is None and var.mask is None
+            and var.dropout_p == 0 and configs.dense_decode(q.shape[1], k.shape[1], q.shape[2], k.shape[2])):
+        # shaped like a decoding step: the split-KV decoding kernel, over all of k / v
+        return _decode().decode_forward(q, k, v, var, k.shape[1], 0)
     inputs = (q, k, v, *var.tensors())
     tma = TMA and _tma_ok(q, k, v, var)
     # the Gluon kernel's choice also depends on the inputs' 16-byte alignment (its descriptors)
@@ -427,7 +431,15 @@ def plan_flags() -> tuple:
     """This module's switches that a forward's launch plan depends on (in its key; an entry point's
     key for :func:`replay_linked` holds them too)."""
     # (a traced launch passes a buffer no plan holds: never replayed)
-    return TMA, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, fwd_sm90.TRACE_BUF is not None
+    return (TMA, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, fwd_sm90.TRACE_BUF is not None,
+            configs.DENSE_DECODE, configs.DENSE_DECODE_ROWS, configs.DENSE_DECODE_MIN_KEYS)
+
+
+def _decode():
+    """kernels/decode.py (which imports this module: imported at the first call that needs it)."""
+    from tritonattn.kernels import decode
+
+    return decode
 
 
 _NO_TENSOR_OPTIONS = (None,) * len(Variants(0.0).tensors())
