@@ -1342,8 +1342,9 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
     (the same arithmetic), eagerly and over many CUDA-graph replays (a missing wait would show as
     a stale or partial result), at 16 and 4 splits, GQA, ragged cache lengths."""
     from tritonattn import flash_attn_with_kvcache
-    from tritonattn.kernels import decode, plan
+    from tritonattn.kernels import plan
 
+    monkeypatch.setattr(configs, "DECODE_MERGE", False)  # (PDL is for the combine launch)
     torch.manual_seed(5)
     for B, cap, splits in ((1, 4096, 16), (4, 1000, 4)):
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=BF16)
@@ -1351,7 +1352,7 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
         lens = torch.randint(1, cap + 1, (B,), dtype=torch.int32, device="cuda")
         res = {}
         for pdl in (False, True):
-            monkeypatch.setattr(decode, "PDL", pdl)
+            monkeypatch.setattr(configs, "DECODE_PDL", pdl)
             plan.clear()
             res[pdl] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
                                                return_softmax_lse=True)
@@ -1360,7 +1361,7 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
             L = int(lens[0])
             check_against_reference(q, kc[:, :L], vc[:, :L], *res[False], None, None, False)
         # graph replays with PDL: new queries each time, compared with the eager plain launch
-        monkeypatch.setattr(decode, "PDL", True)
+        monkeypatch.setattr(configs, "DECODE_PDL", True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -1372,9 +1373,55 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
         for _ in range(20):
             q.copy_(torch.randn_like(q))
             graph.replay()
-            monkeypatch.setattr(decode, "PDL", False)
+            monkeypatch.setattr(configs, "DECODE_PDL", False)
             ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-            monkeypatch.setattr(decode, "PDL", True)
+            monkeypatch.setattr(configs, "DECODE_PDL", True)
+            torch.cuda.synchronize()
+            assert torch.equal(out_g, ref)
+
+
+def test_split_merge_in_the_kernel_on_gpu(monkeypatch, poison):
+    """The split-KV decoding's merge by each kv head's last program (configs.DECODE_MERGE, the default)
+    on the GPU, where the programs run at once: 40 repeated calls and 20 CUDA-graph replays bitwise
+    equal (a merge that read a split before its partial was visible would differ now and then),
+    against the combine launch (the same merge code) and the reference; dense decode-shaped calls too."""
+    from tritonattn import flash_attn_with_kvcache
+    from tritonattn.kernels import plan
+
+    torch.manual_seed(8)
+    cases = ((1, 4096, 32, 8, 16), (1, 16384, 32, 8, 0), (1, 8192, 16, 1, 0), (4, 1000, 32, 8, 4))
+    for B, cap, Hq, Hkv, splits in cases:
+        q = torch.randn(B, 1, Hq, 128, device="cuda", dtype=BF16)
+        kc, vc = (torch.randn(B, cap, Hkv, 128, device="cuda", dtype=BF16) for _ in range(2))
+        lens = torch.randint(1, cap + 1, (B,), dtype=torch.int32, device="cuda")
+        res = {}
+        for merge in (False, True):
+            monkeypatch.setattr(configs, "DECODE_MERGE", merge)
+            plan.clear()
+            res[merge] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
+                                                 return_softmax_lse=True)
+        out, lse = res[True]
+        assert torch.allclose(out.float(), res[False][0].float(), atol=1e-2, rtol=0)
+        assert torch.allclose(lse, res[False][1], atol=1e-5, rtol=0)
+        L = int(lens[0])
+        check_against_reference(q[:1], kc[:1, :L], vc[:1, :L], out[:1], lse[:1], None, None, False)
+        for _ in range(40):
+            again = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
+            assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+        dense = flash_attn_func(q[:1], kc[:1, :L], vc[:1, :L])  # the dense call's route (configs.dense_decode)
+        check_against_reference(q[:1], kc[:1, :L], vc[:1, :L], dense, None, None, None, False)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+        for _ in range(20):
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
             torch.cuda.synchronize()
             assert torch.equal(out_g, ref)
 
@@ -1426,11 +1473,11 @@ def test_inference_in_a_cuda_graph_beside_eager_calls(poison):
         for _ in range(2):
             flash_attn_func(q, k, v, causal=True)
     torch.cuda.current_stream().wait_stream(side)
-    kept = {t.data_ptr() for t in fwd._discards.values()}
+    kept = {t.data_ptr() for t in fwd._discarded.views.values()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = flash_attn_func(q, k, v, causal=True)
-    assert {t.data_ptr() for t in fwd._discards.values()} == kept  # the capture kept nothing
+    assert {t.data_ptr() for t in fwd._discarded.views.values()} == kept  # the capture kept nothing
     for _ in range(3):
         q.copy_(torch.randn_like(q))
         graph.replay()

@@ -173,7 +173,7 @@ def test_descriptor_scratch_kept_per_stream(monkeypatch):
     """fwd._scratch (Triton's allocator for in-kernel descriptors): outside graph capture one buffer per
     (device, stream), reused by the next launch on that stream and grown when a launch needs more;
     under capture a fresh tensor every time (the graph's pool)."""
-    from tritonattn.kernels import fwd
+    from tritonattn.kernels import fwd, kept
 
     made, real_empty = [], torch.empty
 
@@ -185,7 +185,7 @@ def test_descriptor_scratch_kept_per_stream(monkeypatch):
     monkeypatch.setattr(fwd.torch, "empty", empty)
     monkeypatch.setattr(fwd.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # (CPU builds lack it)
-    monkeypatch.setattr(fwd, "_scratch_bufs", {})
+    monkeypatch.setattr(fwd, "_descriptor_scratch", kept.Kept(limit=fwd._SCRATCH_KEPT))
     a = fwd._scratch(4096, 128, 7)
     assert fwd._scratch(1000, 128, 7) is a and a.numel() >= 4096  # the same stream: reused
     b = fwd._scratch(4096, 128, 8)

@@ -344,16 +344,16 @@ def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
     q, q2 = _randn(gen, 2, 19, 4, 32), _randn(gen, 2, 19, 4, 32)
     k, v = _randn(gen, 2, 23, 2, 32), _randn(gen, 2, 23, 2, 32)
     plan.clear()
-    fwd._discards.clear()
+    fwd._discarded.views.clear()
     out = tritonattn.attention(q, k, v, causal=True)  # records the plan without an lse of its own
-    assert len(fwd._discards) == 1
-    (kept,) = fwd._discards.values()
+    assert len(fwd._discarded.views) == 1
+    (kept,) = fwd._discarded.views.values()
     out_again, lse = tritonattn.attention(q, k, v, causal=True, return_lse=True)
     assert lse.data_ptr() != kept.data_ptr() and torch.equal(out, out_again)
     for _ in range(2):  # replayed through the kept buffer, with other queries
         flash_attn_func(q2, k, v, causal=True)
         tritonattn.attention(q2, k, v, causal=True)
-    assert len(fwd._discards) == 1
+    assert len(fwd._discarded.views) == 1
     ref_out, ref_lse = attention_ref(q, k, v, causal=True)
     assert torch.allclose(lse, ref_lse.float(), atol=2e-3, rtol=0)
     assert torch.allclose(out.double(), ref_out, atol=2e-3, rtol=0)
@@ -362,25 +362,26 @@ def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
 def test_unread_lse_buffers_stay_bounded(monkeypatch):
     """Inference calls of many lengths (prefills, varlen batches) share one kept block per stream for
     their unread lse (views of it), not a buffer per shape; a block grows by replacing the old one
-    (whose views go); a result over fwd._DISCARD_KEPT bytes is not kept at all."""
+    (whose views go); a result over the kept limit is not kept at all."""
     from tritonattn.kernels import fwd
 
     gen = torch.Generator().manual_seed(4)
-    fwd._discards.clear()
-    fwd._discard_bases.clear()
-    monkeypatch.setattr(fwd, "_DISCARD_MIN", 64)  # (lse of 8 bytes per query row here: grows at S = 9, 17)
+    fwd._discarded.views.clear()
+    fwd._discarded.blocks.clear()
+    monkeypatch.setattr(fwd._discarded, "minimum", 64)  # (lse of 8 bytes per query row here: grows at S = 9, 17)
     for S in range(1, 21):
         x = _randn(gen, 1, S, 2, 8)
         flash_attn_func(x, x, x)
-    assert len(fwd._discard_bases) == 1
-    (base,) = fwd._discard_bases.values()
-    assert base.numel() == 256 and len(fwd._discards) == 4  # (blocks of 64, 128, 256: the last one's views)
-    assert all(t.untyped_storage().data_ptr() == base.data_ptr() for t in fwd._discards.values())
-    monkeypatch.setattr(fwd, "_DISCARD_KEPT", 1024)
+    assert len(fwd._discarded.blocks) == 1
+    (base,) = fwd._discarded.blocks.values()
+    assert base.numel() == 256 and len(fwd._discarded.views) == 4  # (blocks of 64, 128, 256: the last one's views)
+    assert all(t.untyped_storage().data_ptr() == base.data_ptr() for t in fwd._discarded.views.values())
+    monkeypatch.setattr(fwd._discarded, "limit", 1024)
     x = _randn(gen, 1, 300, 2, 8)
-    views = len(fwd._discards)
+    views = len(fwd._discarded.views)
     out = flash_attn_func(x, x, x, causal=True)
-    assert len(fwd._discards) == views and fwd._discard_bases[next(iter(fwd._discard_bases))] is base  # not kept
+    assert len(fwd._discarded.views) == views  # not kept
+    assert fwd._discarded.blocks[next(iter(fwd._discarded.blocks))] is base
     assert torch.equal(out, flash_attn_func(x, x, x, causal=True, return_attn_probs=True)[0])
 
 

@@ -141,6 +141,20 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
             and Sk >= DENSE_DECODE_MIN_KEYS)
 
 
+# Split-KV decoding (kernels/decode.py) without a combine launch: the last program of each (batch
+# row, kv head) merges the splits (_decode_split_kernel's MERGE). TRITONATTN_DECODE_MERGE=0 (read
+# once here; tests set the switch) launches the combine kernel instead.
+DECODE_MERGE: bool = env_flag("TRITONATTN_DECODE_MERGE", default=True)
+
+# The combine kernel (DECODE_MERGE off) through programmatic dependent launch (sm_90): it is launched
+# while the split kernel runs and waits for it on the device (griddepcontrol), instead of starting
+# after the split grid's end; for the short decoding steps where a launch gap is a sizeable share of
+# the time. TRITONATTN_DECODE_PDL=1, read once here (tests and scripts/tune_decode.py set the switch).
+# Off by default: as CUDA graph replays on the H200 it gained nothing (-6% to +0.3% at batch 1 / 8,
+# caches of 4096 / 16384; benchmarks/NOTES.md, 2026-11-30, seventh session).
+DECODE_PDL: bool = env_flag("TRITONATTN_DECODE_PDL")
+
+
 # CUDA's limit on a grid's y and z sizes (x may hold 2^31 - 1 programs)
 MAX_GRID_YZ = 65535
 

@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from tritonattn import autotune, configs
-from tritonattn.kernels import plan
+from tritonattn.kernels import kept, plan
 from tritonattn.kernels.common import (
     LN2,
     dropout_keep,
@@ -319,70 +319,29 @@ def _tma_ok(q, k, v, var: Variants, *more) -> bool:
     return True
 
 
-_scratch_bufs: dict = {}
 _SCRATCH_KEPT = 8 << 20  # bytes: a larger request is allocated fresh, not kept
+_descriptor_scratch = kept.Kept(limit=_SCRATCH_KEPT)
+_cuda_devices: dict = {}  # index -> torch.device (made once)
 
 
 def _scratch(size: int, alignment: int, stream):
     """Global scratch for descriptors created inside kernels (128 bytes per program), which Triton's
-    launcher asks for at every launch of such a kernel. Outside CUDA-graph capture: one buffer per
-    (device, stream), kept and grown, not an allocation per launch (4.5 us on the main thread, ~11 in
-    the autograd engine's; thirtieth session): the kernels of one stream run one after another, so
-    the next launch on it may reuse what the last one used (as the caching allocator would hand the
-    freed block back). Under capture a fresh tensor, from the graph's pool (a graph may replay on
-    another stream than it was captured on)."""
+    launcher asks for at every launch of such a kernel: a block kept per (device, stream)
+    (kernels/kept.py), not an allocation per launch (4.5 us on the main thread, ~11 in the autograd
+    engine's; thirtieth session); under CUDA graph capture, or over _SCRATCH_KEPT bytes, a fresh tensor."""
     if size > _SCRATCH_KEPT or torch.cuda.is_current_stream_capturing():  # (large grids: their time dwarfs it)
         return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch._C._cuda_getDevice(), stream)
-    buf = _scratch_bufs.get(key)
-    if buf is None or buf.numel() < size:
-        if len(_scratch_bufs) >= 64:  # streams come and go: keep the dict small
-            _scratch_bufs.clear()
-        buf = _scratch_bufs[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-    return buf
+    index = torch._C._cuda_getDevice()
+    device = _cuda_devices.get(index)
+    if device is None:
+        device = _cuda_devices[index] = torch.device("cuda", index)
+    return _descriptor_scratch.block(size, device, stream)
 
 
-_DISCARD_KEPT = 8 << 20  # bytes: a larger unread result is allocated per call (its call's time dwarfs that)
-_DISCARD_MIN = 1 << 16  # bytes: the smallest block kept
-_discard_bases: dict = {}  # (device, stream) -> the bytes every unread result of that stream is written to
-_discards: dict = {}  # (shape, dtype, device, stream) -> a view of its stream's bytes
-
-
-def _discarded(shape, dtype, device) -> torch.Tensor:
-    """A buffer for a result no one reads (the lse of an inference call that does not return it:
-    Variants.need_lse): a view of one block kept per device and stream (the launches of a stream
-    write it one after another, no launch reads it; another stream has its own), up to
-    _DISCARD_KEPT bytes; the view of each shape is kept too (no view made per call). Larger results,
-    and results under CUDA graph capture (the graph's pool owns them: a kept block could be freed
-    under a graph that writes it), get a fresh tensor. Saves an allocation per call (host time)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty(shape, dtype=dtype, device=device)
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-    else:
-        stream = None
-    key = (shape, dtype, device, stream)
-    view = _discards.get(key)
-    if view is not None:
-        return view
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    if nbytes > _DISCARD_KEPT:
-        return torch.empty(shape, dtype=dtype, device=device)
-    base = _discard_bases.get((device, stream))
-    if base is None or base.numel() < nbytes:
-        # a larger block for this stream: the views of the old one go (they hold it), and the old
-        # block returns to its stream's pool, where no launch in flight reads it
-        for k in [k for k in _discards if k[2] == device and k[3] == stream]:
-            del _discards[k]
-        if len(_discard_bases) >= 64:  # streams come and go: keep the dicts small
-            _discard_bases.clear()
-            _discards.clear()
-        size = max(nbytes, _DISCARD_MIN, 0 if base is None else min(2 * base.numel(), _DISCARD_KEPT))  # (doubling)
-        base = _discard_bases[(device, stream)] = torch.empty(size, dtype=torch.uint8, device=device)
-    if len(_discards) >= 1024:
-        _discards.clear()
-    view = _discards[key] = base[:nbytes].view(dtype).view(shape)
-    return view
+# A result no one reads (the lse of an inference call that does not return it: Variants.need_lse),
+# as a launch plan's allocation factory: a view of a block kept per device and stream (the launches
+# of a stream write it one after another, no launch reads it), up to 8 MB. Saves an allocation per call.
+_discarded = kept.Kept()
 
 
 def _need_allocator() -> None:
@@ -432,7 +391,8 @@ def plan_flags() -> tuple:
     key for :func:`replay_linked` holds them too)."""
     # (a traced launch passes a buffer no plan holds: never replayed)
     return (TMA, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, fwd_sm90.TRACE_BUF is not None,
-            configs.DENSE_DECODE, configs.DENSE_DECODE_ROWS, configs.DENSE_DECODE_MIN_KEYS)
+            configs.DENSE_DECODE, configs.DENSE_DECODE_ROWS, configs.DENSE_DECODE_MIN_KEYS, configs.DECODE_MERGE,
+            configs.DECODE_PDL)
 
 
 def _decode():
