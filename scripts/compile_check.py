@@ -159,8 +159,10 @@ def main(argv=None) -> int:
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
                 stack.enter_context(mock.patch.object(bwd, "TMA", False))
-            if pdl:  # the decoding combine through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
-                stack.enter_context(mock.patch.multiple(decode, PDL=True, _pdl_ok=lambda q: True))
+            if pdl:  # the decoding's combine launch (TRITONATTN_DECODE_MERGE=0), through programmatic
+                # dependent launch (TRITONATTN_DECODE_PDL=1)
+                stack.enter_context(mock.patch.multiple(configs, DECODE_PDL=True, DECODE_MERGE=False))
+                stack.enter_context(mock.patch.object(decode, "_pdl_ok", lambda q: True))
             run_case(D, dtype, var, **kw)
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
@@ -187,6 +189,10 @@ def main(argv=None) -> int:
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
+            # a dense decode-shaped call (configs.dense_decode): the decoding kernel over all of k / v
+            dense = Variants(var.softmax_scale, win_left=var.win_left, win_right=var.win_right, softcap=var.softcap,
+                             alibi_slopes=var.alibi_slopes)
+            decode_forward(q[:, :2], k, v, dense, S, 4)
             # the cache's step before attention: in the decoding kernel (rotary q, new rows written by
             # the split that holds them), and as its own kernel before the forward kernel
             k_new, v_new = k[:, :1].clone(), v[:, :1].clone()
