@@ -233,31 +233,31 @@ def _merge_splits(O_PART, LSE_PART, LSE, p_out, row, r_ok, n_splits, rows, offs_
     ``n_splits`` partial results (O_PART (splits, rows, HEAD_DIM) fp32, each normalised by its split's
     softmax, LSE_PART (splits, rows)): out = sum_s exp(lse_s - lse) o_s with lse = logsumexp_s lse_s
     (-inf, out 0 where no split saw a key), stored at ``p_out`` (BLOCK_R x BLOCK_D pointers) and
-    LSE + row. CHUNK splits' tiles are loaded at a time (one wait per chunk, not per split). Loads
+    LSE + row. CHUNK splits' tiles are loaded at a time (one wait per chunk, not per split), merged
+    online (a running max, as the softmax's). Loads
     bypass L1 (.cg): other programs wrote the partials. The decoding kernel's merge (MERGE) and the
     combine kernel's, one code."""
     offs_c = tl.arange(0, CHUNK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s0 in range(0, n_splits, CHUNK):
-        s = s0 + offs_c
-        lse_s = tl.load(LSE_PART + s[:, None].to(tl.int64) * rows + row[None, :],
-                        mask=(s[:, None] < n_splits) & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(lse_s, 0))
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    m_sub = tl.zeros([BLOCK_R], tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s0 in range(0, n_splits, CHUNK):
+    for s0 in range(0, n_splits, CHUNK):  # online, as the softmax: one pass, the chunk's loads at once
         s = s0 + offs_c
         s_ok = s < n_splits
         lse_s = tl.load(LSE_PART + s[:, None].to(tl.int64) * rows + row[None, :],
                         mask=s_ok[:, None] & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp(lse_s - m_sub[None, :])
-        total += tl.sum(w, 0)
         o_s = tl.load(O_PART + ((s[:, None, None].to(tl.int64) * rows + row[None, :, None]) * HEAD_DIM
                                 + offs_d[None, None, :]),
                       mask=s_ok[:, None, None] & r_ok[None, :, None] & d_ok[None, None, :], other=0.0,
                       cache_modifier=".cg")
-        acc += tl.sum(o_s * w[:, :, None], 0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_sub)
+        w = tl.exp(lse_s - m_sub[None, :])
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
+        m = m_new
     seen = total > 0.0
     t = tl.where(seen, total, 1.0)
     tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t), float("-inf")), mask=r_ok)
@@ -480,12 +480,12 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     if direct or merge:
         return b.finish((out, lse))
     rows = B * Hq * Sq
-    block_r = 16
-    b.launch(_decode_combine_kernel, (cdiv(rows, block_r),), (
+    # the split kernel's row tile and warps: each row merged in the same order as MERGE merges it
+    b.launch(_decode_combine_kernel, (cdiv(rows, block_m),), (
         o_part, lse_part, out, lse, splits, rows, Hq, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=d_pad, BLOCK_R=block_r, CHUNK=_merge_chunk(block_r, d_pad, splits), PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
+        HEAD_DIM=D, BLOCK_D=d_pad, BLOCK_R=block_m, CHUNK=_merge_chunk(block_m, d_pad, splits), PDL=pdl,
+        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
 
