@@ -188,6 +188,8 @@ def main(argv=None) -> int:
         if var.kv_lens is not None:  # inference: forward only, both the forward and the split-KV kernels
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
+            with mock.patch.object(configs, "DECODE_MERGE", not configs.DECODE_MERGE):  # the other merge
+                decode_forward(q[:, :2], k, v, var, S, 4)
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
             # a dense decode-shaped call (configs.dense_decode): the decoding kernel over all of k / v
             dense = Variants(var.softmax_scale, win_left=var.win_left, win_right=var.win_right, softcap=var.softcap,

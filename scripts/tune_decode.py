@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA graph replays of one step")
     p.add_argument("--combine", action="store_true",
-                   help="also time each split candidate with the combine launch instead of the split kernel's "
-                        "merge (TRITONATTN_DECODE_MERGE=0)")
+                   help="also time each split candidate with the other merge: the combine launch or the split "
+                        "kernel's merge (TRITONATTN_DECODE_MERGE)")
     p.add_argument("--pdl", action="store_true",
                    help="also time each split candidate with the combine kernel launched through programmatic "
                         "dependent launch (TRITONATTN_DECODE_PDL; implies --combine)")
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
                     # the merge in the split kernel (the default), and with --combine / --pdl the combine launch
-                    variants = [(True, False)]
+                    variants = [(merge_default, False)]
                     if (args.combine or args.pdl) and splits > 1:
-                        variants += [(False, False)] + ([(False, True)] if args.pdl else [])
+                        variants += [(not merge_default, False)] + ([(False, True)] if args.pdl else [])
                     for merge, pdl in variants:
                         configs.DECODE_MERGE, configs.DECODE_PDL = merge, pdl
                         with configs.override(decode=cfg):
@@ -123,9 +123,11 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + ("" if merge else " combine") + (" pdl" if pdl else "")
+                        label = str(tuple(cfg)) + ("" if splits == 1 else " merge" if merge else " combine") + (
+                            " pdl" if pdl else "")
                         rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and merge else ""
+                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and \
+                            merge == merge_default and not pdl else ""
                         print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
                               f"{ref / ms:.2f} |", flush=True)
                     configs.DECODE_MERGE, configs.DECODE_PDL = merge_default, pdl_default

@@ -1381,7 +1381,7 @@ def test_decode_combine_with_pdl_on_gpu(monkeypatch, poison):
 
 
 def test_split_merge_in_the_kernel_on_gpu(monkeypatch, poison):
-    """The split-KV decoding's merge by each kv head's last program (configs.DECODE_MERGE, the default)
+    """The split-KV decoding's merge by each kv head's last program (configs.DECODE_MERGE)
     on the GPU, where the programs run at once: 40 repeated calls and 20 CUDA-graph replays bitwise
     equal (a merge that read a split before its partial was visible would differ now and then),
     against the combine launch (the same merge code) and the reference; dense decode-shaped calls too."""

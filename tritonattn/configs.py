@@ -142,9 +142,12 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
 
 
 # Split-KV decoding (kernels/decode.py) without a combine launch: the last program of each (batch
-# row, kv head) merges the splits (_decode_split_kernel's MERGE). TRITONATTN_DECODE_MERGE=0 (read
-# once here; tests set the switch) launches the combine kernel instead.
-DECODE_MERGE: bool = env_flag("TRITONATTN_DECODE_MERGE", default=True)
+# row, kv head) merges the splits (_decode_split_kernel's MERGE), one launch and one allocation fewer
+# per step (host time). TRITONATTN_DECODE_MERGE=1 (read once here; tests set the switch). Off by
+# default until measured and tested on a GPU (thirty-ninth session: written and tested under the
+# interpreter and compiled for sm_90; no device run; a twenty-first session's merge was 0.93-0.97x the
+# combine launch in CUDA-graph replays at B=1).
+DECODE_MERGE: bool = env_flag("TRITONATTN_DECODE_MERGE", default=False)
 
 # The combine kernel (DECODE_MERGE off) through programmatic dependent launch (sm_90): it is launched
 # while the split kernel runs and waits for it on the device (griddepcontrol), instead of starting
