@@ -159,9 +159,8 @@ def main(argv=None) -> int:
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
                 stack.enter_context(mock.patch.object(bwd, "TMA", False))
-            if pdl:  # the decoding's combine launch (TRITONATTN_DECODE_MERGE=0), through programmatic
-                # dependent launch (TRITONATTN_DECODE_PDL=1)
-                stack.enter_context(mock.patch.multiple(configs, DECODE_PDL=True, DECODE_MERGE=False))
+            if pdl:  # the decoding's combine launch through programmatic dependent launch (TRITONATTN_DECODE_PDL=1)
+                stack.enter_context(mock.patch.object(configs, "DECODE_PDL", True))
                 stack.enter_context(mock.patch.object(decode, "_pdl_ok", lambda q: True))
             run_case(D, dtype, var, **kw)
 
@@ -188,8 +187,6 @@ def main(argv=None) -> int:
         if var.kv_lens is not None:  # inference: forward only, both the forward and the split-KV kernels
             attention_forward(q, k, v, var)
             decode_forward(q[:, :2], k, v, var, S, 4)
-            with mock.patch.object(configs, "DECODE_MERGE", not configs.DECODE_MERGE):  # the other merge
-                decode_forward(q[:, :2], k, v, var, S, 4)
             decode_forward(q[:, :2], k, v, var, S, 1)  # one split: the kernel writes the output
             # a dense decode-shaped call (configs.dense_decode): the decoding kernel over all of k / v
             dense = Variants(var.softmax_scale, win_left=var.win_left, win_right=var.win_right, softcap=var.softcap,

@@ -15,7 +15,7 @@ P-row pages in shuffled order (a serving engine's page pool after some traffic; 
 contiguous cache). With ``--cuda-graphs`` the first rows are the floor: a
 graph of one / two one-element kernels timed the same way.
 
-    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--combine] [--pdl]
+    python scripts/tune_decode.py [--batches 1 8 64] [--lengths 16384 131072] [--cuda-graphs] [--pdl]
 """
 
 from __future__ import annotations
@@ -49,19 +49,16 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA graph replays of one step")
-    p.add_argument("--combine", action="store_true",
-                   help="also time each split candidate with the other merge: the combine launch or the split "
-                        "kernel's merge (TRITONATTN_DECODE_MERGE)")
     p.add_argument("--pdl", action="store_true",
                    help="also time each split candidate with the combine kernel launched through programmatic "
-                        "dependent launch (TRITONATTN_DECODE_PDL; implies --combine)")
+                        "dependent launch (TRITONATTN_DECODE_PDL)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
     p.add_argument("--paged", type=int, default=0, help="pages of this many rows (0: a contiguous cache)")
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
-    merge_default, pdl_default = configs.DECODE_MERGE, configs.DECODE_PDL
+    pdl_default = configs.DECODE_PDL
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -109,12 +106,8 @@ def main(argv=None) -> int:
             tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    # the merge in the split kernel (the default), and with --combine / --pdl the combine launch
-                    variants = [(merge_default, False)]
-                    if (args.combine or args.pdl) and splits > 1:
-                        variants += [(not merge_default, False)] + ([(False, True)] if args.pdl else [])
-                    for merge, pdl in variants:
-                        configs.DECODE_MERGE, configs.DECODE_PDL = merge, pdl
+                    for pdl in ((False, True) if args.pdl and splits > 1 else (False,)):
+                        configs.DECODE_PDL = pdl
                         with configs.override(decode=cfg):
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
@@ -123,14 +116,12 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + ("" if splits == 1 else " merge" if merge else " combine") + (
-                            " pdl" if pdl else "")
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
                         rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and \
-                            merge == merge_default and not pdl else ""
+                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
                         print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
                               f"{ref / ms:.2f} |", flush=True)
-                    configs.DECODE_MERGE, configs.DECODE_PDL = merge_default, pdl_default
+                    configs.DECODE_PDL = pdl_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (

@@ -389,50 +389,46 @@ def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
 
 def test_which_kernel_decodes(monkeypatch):
     """A few query rows per kv head (seqlen_q x group <= 64) take the decoding kernel: with one split
-    it writes the output itself, with more its last program of each kv head merges the splits (no
-    combine launch; with configs.DECODE_MERGE off, a combine launch). More rows take the forward kernel
-    whatever num_splits says (a hint there: the decoding kernel's tile holds every row, so 4 x 32
-    rows would not fit), with the same result for every num_splits."""
+    it writes the output itself, with more a combine launch merges the splits. More rows take the
+    forward kernel whatever num_splits says (a hint there: the decoding kernel's tile holds every row,
+    so 4 x 32 rows would not fit), with the same result for every num_splits."""
     from tritonattn.kernels import fwd, launch, plan
 
     seen, real = [], launch.launch
 
     def spy(fn, grid, args, kwargs):
-        seen.append((fn.__name__, kwargs.get("DIRECT"), kwargs.get("MERGE")))
+        seen.append((fn.__name__, kwargs.get("DIRECT")))
         return real(fn, grid, args, kwargs)
 
     monkeypatch.setattr(launch, "launch", spy)
     torch.manual_seed(3)
     q = torch.randn(2, 1, 8, 32, device=DEVICE).to(F16)
     kc, vc = _cache(2, 400, 2, 32)
-    for splits, merge, kernels in (
-            (1, True, [("_decode_split_kernel", True, False)]),
-            (3, True, [("_decode_split_kernel", False, True)]),
-            (3, False, [("_decode_split_kernel", False, False), ("_decode_combine_kernel", None, None)])):
+    for splits, kernels in (
+            (1, [("_decode_split_kernel", True)]),
+            (3, [("_decode_split_kernel", False), ("_decode_combine_kernel", None)])):
         seen.clear()
         plan.clear()  # on a GPU a replayed plan launches the compiled kernels without launch.launch
-        monkeypatch.setattr(configs, "DECODE_MERGE", merge)
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=390, num_splits=splits)
         assert seen == kernels, (splits, seen)
-    monkeypatch.setattr(configs, "DECODE_MERGE", True)
     q_long = torch.randn(2, 20, 8, 32, device=DEVICE).to(F16)  # 80 rows per kv head
     outs = []
     for splits in (0, 1, 4):
         seen.clear()
         plan.clear()
         outs.append(flash_attn_with_kvcache(q_long, kc, vc, cache_seqlens=70, causal=True, num_splits=splits))
-        assert seen == [(fwd._fwd_kernel.__name__, None, None)], (splits, seen)
+        assert seen == [(fwd._fwd_kernel.__name__, None)], (splits, seen)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("Sq,group,D,splits,dtype", [
     (1, 4, 64, 2, F16), (1, 4, 40, 7, F16), (4, 4, 128, 16, F16), (16, 4, 32, 3, torch.float32), (1, 1, 64, 33, F16),
 ], ids=lambda x: str(x).replace("torch.", ""))
-def test_split_merge_in_the_kernel(Sq, group, D, splits, dtype, poison, monkeypatch):
-    """The split-KV decoding's merge by each kv head's last program (configs.DECODE_MERGE) against the fp64
-    reference and the combine launch (the same merge code: equal to rounding), over caches of
-    different lengths (splits with no keys among them); the counters are left at zero (a second
-    call merges again, bitwise the first)."""
+def test_split_partials_kept_between_calls(Sq, group, D, splits, dtype, poison, monkeypatch):
+    """The split-KV decoding's partials live in blocks kept per stream (kernels/kept.py): filled with
+    NaN before the first call (a combine that read a partial no split wrote would fail), against the
+    fp64 reference over caches of different lengths (splits with no keys among them, a batch row
+    with none); a second call over the same, now written, blocks is bitwise the first."""
     from tritonattn.kernels import decode, kept, plan
 
     torch.manual_seed(splits * 10 + Sq)
@@ -440,27 +436,18 @@ def test_split_merge_in_the_kernel(Sq, group, D, splits, dtype, poison, monkeypa
     q = torch.randn(B, Sq, Hkv * group, D, device=DEVICE).to(dtype)
     kc, vc = _cache(B, 700, Hkv, D, dtype)
     seqlens = torch.tensor([700, 33, 0], dtype=torch.int32, device=DEVICE)
-    outs = {}
-    for merge in (True, False):
-        monkeypatch.setattr(configs, "DECODE_MERGE", merge)
-        # fresh partial buffers, all NaN: a merge that read a split before it was written fails
-        stream = torch.cuda.current_stream().cuda_stream if q.is_cuda else None
-        for name in ("_o_parts", "_lse_parts"):
-            monkeypatch.setattr(decode, name, kept.Kept())
-            getattr(decode, name).block(1 << 20, q.device, stream).fill_(255)  # (0xffffffff: a NaN)
-        plan.clear()
-        outs[merge] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits,
-                                              return_softmax_lse=True)
-    out, lse = outs[True]
+    stream = torch.cuda.current_stream().cuda_stream if q.is_cuda else None
+    for name in ("_o_parts", "_lse_parts"):
+        monkeypatch.setattr(decode, name, kept.Kept())
+        getattr(decode, name).block(1 << 20, q.device, stream).fill_(255)  # (0xffffffff: a NaN)
+    plan.clear()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits,
+                                       return_softmax_lse=True)
     for b in range(2):
         n = int(seqlens[b])
         check_against_reference(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], out[b:b + 1], lse[b:b + 1], None,
                                 None, True)
     assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
-    assert torch.allclose(out.float(), outs[False][0].float(), atol=2e-3 if dtype == F16 else 1e-5, rtol=0)
-    assert torch.allclose(lse, outs[False][1], atol=1e-5, rtol=0)
-    assert all(int(c.abs().sum()) == 0 for c in decode._counters.views.values())
-    monkeypatch.setattr(configs, "DECODE_MERGE", True)
     again = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits,
                                     return_softmax_lse=True)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)

@@ -141,15 +141,7 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
             and Sk >= DENSE_DECODE_MIN_KEYS)
 
 
-# Split-KV decoding (kernels/decode.py) without a combine launch: the last program of each (batch
-# row, kv head) merges the splits (_decode_split_kernel's MERGE), one launch and one allocation fewer
-# per step (host time). TRITONATTN_DECODE_MERGE=1 (read once here; tests set the switch). Off by
-# default until measured and tested on a GPU (thirty-ninth session: written and tested under the
-# interpreter and compiled for sm_90; no device run; a twenty-first session's merge was 0.93-0.97x the
-# combine launch in CUDA-graph replays at B=1).
-DECODE_MERGE: bool = env_flag("TRITONATTN_DECODE_MERGE", default=False)
-
-# The combine kernel (DECODE_MERGE off) through programmatic dependent launch (sm_90): it is launched
+# Split-KV decoding's combine kernel (kernels/decode.py) through programmatic dependent launch (sm_90): it is launched
 # while the split kernel runs and waits for it on the device (griddepcontrol), instead of starting
 # after the split grid's end; for the short decoding steps where a launch gap is a sizeable share of
 # the time. TRITONATTN_DECODE_PDL=1, read once here (tests and scripts/tune_decode.py set the switch).

@@ -69,7 +69,7 @@ def _append_rows(K_NEW, V_NEW, K_CACHE, V_CACHE, COS, SIN, p_bt, off_b, cb, off_
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER,
+    Q, K, V, O_PART, LSE_PART,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -88,16 +88,12 @@ def _decode_split_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     LOCAL: tl.constexpr, PTX: tl.constexpr, BLOCK_NEW: tl.constexpr, HAS_LENS: tl.constexpr = True,
-    MERGE: tl.constexpr = False, CHUNK: tl.constexpr = 1,
 ):
     """Partial attention of one key split: O_PART (splits, B, Hq, Sq, D) fp32 normalised by the
     split's own softmax, LSE_PART (splits, B, Hq, Sq) fp32 (-inf for a split with no visible key).
     DIRECT (one split covers every key): O_PART is the output itself (B, Sq, Hq, D) in q's dtype
-    with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). MERGE (more splits, no combine launch):
-    the last program of a (batch row, kv head) to finish (COUNTER (B x Hkv,) int32, zeros, counts
-    them and is left at zeros) merges every split's partials into O (strides ``stride_o*``) and LSE
-    (:func:`_merge_splits`, CHUNK splits at a time). PDL (sm_90, programmatic dependent launch): the
-    combine kernel may be launched at once, to wait on the device for this grid.
+    with strides ``stride_o*``, LSE_PART the lse (B, Hq, Sq). PDL (sm_90, programmatic dependent
+    launch): the combine kernel may be launched at once, to wait on the device for this grid.
     The cache's step before attention (``cache_append``'s work, done here where this kernel runs):
     ROTARY: the q tile rotated on load, row (head, i) at ``KV_LENS[b] - leftpad`` (+ i if LOCAL);
     APPEND: ``n_new`` new keys / values (K_NEW / V_NEW (B, n_new, Hkv, D)) follow the cache's
@@ -108,7 +104,7 @@ def _decode_split_kernel(
     unread): each batch row's keys are all ``capacity`` rows."""
     if PDL:
         gdc_launch_dependents()
-    pid_s, n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
+    pid_s, _n_splits, bhk, n_bhk = program_order(HEADS_FIRST)  # heads first only past the grid's y limit
     off_bhk = bhk.to(tl.int64)
     off_b = off_bhk // Hkv
     off_hk = off_bhk % Hkv
@@ -204,88 +200,49 @@ def _decode_split_kernel(
     acc = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     # partial buffers are contiguous (splits, B, Hq, Sq[, D]); with one split, lse's layout too
-    rows = n_bhk // Hkv * Hq * Sq  # (per split)
-    row = (off_b * Hq + head) * Sq + qi  # (in split 0)
-    p_out = O + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh + qi[:, None].to(tl.int64) * stride_om \
-        + offs_d[None, :] * stride_od
+    row = ((pid_s * (n_bhk // Hkv) + off_b) * Hq + head) * Sq + qi
+    tl.store(LSE_PART + row, lse, mask=r_ok)
     if DIRECT:
-        tl.store(LSE + row, lse, mask=r_ok)
-        tl.store(p_out, acc.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(O_PART + off_b * stride_ob + head[:, None].to(tl.int64) * stride_oh
+                 + qi[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+                 acc.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     else:
-        row_s = pid_s * rows + row
-        tl.store(LSE_PART + row_s, lse, mask=r_ok)
-        tl.store(O_PART + row_s[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-        if MERGE:
-            # every thread's partial stores issued (the barrier), then one count per program, at gpu
-            # scope with release / acquire: the program that counts last sees every split's partials
-            tl.debug_barrier()
-            done = tl.atomic_add(COUNTER + off_bhk, 1, sem="acq_rel", scope="gpu")
-            if done == n_splits - 1:
-                _merge_splits(O_PART, LSE_PART, LSE, p_out, row, r_ok, n_splits, rows, offs_d, d_ok,
-                              HEAD_DIM, BLOCK_M, BLOCK_D, CHUNK)
-                tl.atomic_xchg(COUNTER + off_bhk, 0, sem="relaxed", scope="gpu")  # for the next call
-
-
-@triton.jit
-def _merge_splits(O_PART, LSE_PART, LSE, p_out, row, r_ok, n_splits, rows, offs_d, d_ok,
-                  HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """Query rows ``row`` (BLOCK_R flat (b, h, i) indices, those in ``r_ok`` real) merged over the
-    ``n_splits`` partial results (O_PART (splits, rows, HEAD_DIM) fp32, each normalised by its split's
-    softmax, LSE_PART (splits, rows)): out = sum_s exp(lse_s - lse) o_s with lse = logsumexp_s lse_s
-    (-inf, out 0 where no split saw a key), stored at ``p_out`` (BLOCK_R x BLOCK_D pointers) and
-    LSE + row. CHUNK splits' tiles are loaded at a time (one wait per chunk, not per split), merged
-    online (a running max, as the softmax's). Loads
-    bypass L1 (.cg): other programs wrote the partials. The decoding kernel's merge (MERGE) and the
-    combine kernel's, one code."""
-    offs_c = tl.arange(0, CHUNK)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    m_sub = tl.zeros([BLOCK_R], tl.float32)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s0 in range(0, n_splits, CHUNK):  # online, as the softmax: one pass, the chunk's loads at once
-        s = s0 + offs_c
-        s_ok = s < n_splits
-        lse_s = tl.load(LSE_PART + s[:, None].to(tl.int64) * rows + row[None, :],
-                        mask=s_ok[:, None] & r_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(O_PART + ((s[:, None, None].to(tl.int64) * rows + row[None, :, None]) * HEAD_DIM
-                                + offs_d[None, None, :]),
-                      mask=s_ok[:, None, None] & r_ok[None, :, None] & d_ok[None, None, :], other=0.0,
-                      cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse_s, 0))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_sub)
-        w = tl.exp(lse_s - m_sub[None, :])
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
-        m = m_new
-    seen = total > 0.0
-    t = tl.where(seen, total, 1.0)
-    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(t), float("-inf")), mask=r_ok)
-    tl.store(p_out, (acc / t[:, None]).to(p_out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(O_PART + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE, n_splits, rows, Hq, Sq,
+    O_PART, LSE_PART, O, LSE, n_splits, rows_per_split, Hq, Sq,
     stride_ob, stride_om, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The split partials of BLOCK_R query rows merged (:func:`_merge_splits`), for the decoding
-    kernel without MERGE. PDL: launched before the split kernel ended; ``gdc_wait`` holds it until
-    that grid has completed and its writes are visible."""
+    """out = sum_s exp(lse_s - lse) * o_s with lse = logsumexp_s lse_s, one program per query row
+    (a row's splits at once: as many programs as rows, the parallelism a batch of 1 needs; a merge
+    by fewer, wider programs was 2.6x slower at B=1, benchmarks/NOTES.md, fortieth session).
+    PDL: launched before the split kernel ended; ``gdc_wait`` holds it until that grid has completed
+    and its writes are visible."""
     if PDL:
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, h, i) flattened
-    r_ok = row < rows
+    row = tl.program_id(0).to(tl.int64)  # (b, h, i) flattened
     off_b = row // (Hq * Sq)
     off_h = (row // Sq) % Hq
     off_i = row % Sq
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < n_splits
+    lse_s = tl.load(LSE_PART + offs_s * rows_per_split + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_sub)
+    total = tl.sum(w, 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    p_out = O + (off_b * stride_ob + off_h * stride_oh + off_i * stride_om)[:, None] + offs_d[None, :] * stride_od
-    _merge_splits(O_PART, LSE_PART, LSE, p_out, row, r_ok, n_splits, rows, offs_d, d_ok, HEAD_DIM, BLOCK_R, BLOCK_D,
-                  CHUNK)
+    o_s = tl.load(O_PART + (offs_s[:, None] * rows_per_split + row) * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    seen = total > 0.0
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(seen, total, 1.0)
+    tl.store(LSE + row, tl.where(seen, m_sub + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -420,7 +377,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     k / v, and an entry point's key (``var.fast_key``) is linked to the plan as the forward's is."""
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, configs.DECODE_PDL, configs.DECODE_MERGE,
+           var.signature(), capacity, num_splits, configs.DECODE_PDL,
            new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
     res = plan.replay(key, inputs, q.device)
     if res is None:  # a new signature (else the same as an earlier call's, every step of a decoding loop)
@@ -443,15 +400,12 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     splits = cdiv(capacity, split_len)
     block_m = max(16, next_pow2(group * Sq))
     direct = splits == 1  # one split: the kernel writes out / lse itself
-    merge = configs.DECODE_MERGE and not direct  # else a combine launch
-    pdl = configs.DECODE_PDL and not direct and not merge and _pdl_ok(q)
+    pdl = configs.DECODE_PDL and not direct and _pdl_ok(q)
     out = b.alloc(torch.empty, q.shape, q.dtype, q.device)  # contiguous (empty_like would copy q's strides)
     lse = b.alloc(torch.empty if var.need_lse else _discarded, (B, Hq, Sq), torch.float32, q.device)
-    # the partials (and the merge's counters) live within the call: kept per stream, no allocation
+    # the partials live within the call: kept per stream, no allocation
     o_part = out if direct else b.alloc(_o_parts, (splits, B, Hq, Sq, D), torch.float32, q.device)
     lse_part = lse if direct else b.alloc(_lse_parts, (splits, B, Hq, Sq), torch.float32, q.device)
-    counter = b.alloc(_counters, (B * Hkv,), torch.int32, q.device) if merge else q
-    d_pad = configs.padded_head_dim(D)
     c = var.constexprs()
     cache = var.cache_args(q)
     wide = configs.heads_first(False, k, B * Hkv)  # only past the grid's y limit
@@ -459,7 +413,7 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     append, rotary = k_new is not None, cos is not None
     kn, vn = (k_new, v_new) if append else (q, q)  # (placeholders, never read)
     b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
-        q, k, v, o_part, lse_part, out, lse, counter, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
+        q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
         *var.alibi_args(q), *cache,
         Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
         kn, vn, cos if rotary else q, sin if rotary else q, *kn.stride(), *vn.stride(),
@@ -475,31 +429,19 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
         BLOCK_NEW=min(next_pow2(k_new.shape[1]), 16) if append else 1, HAS_LENS=var.kv_lens is not None,
-        MERGE=merge, CHUNK=_merge_chunk(block_m, d_pad, splits),
     ))
-    if direct or merge:
+    if direct:
         return b.finish((out, lse))
-    rows = B * Hq * Sq
-    # the split kernel's row tile and warps: each row merged in the same order as MERGE merges it
-    b.launch(_decode_combine_kernel, (cdiv(rows, block_m),), (
-        o_part, lse_part, out, lse, splits, rows, Hq, Sq, *out.stride(),
+    b.launch(_decode_combine_kernel, (B * Hq * Sq,), (
+        o_part, lse_part, out, lse, splits, B * Hq * Sq, Hq, Sq, *out.stride(),
     ), dict(
-        HEAD_DIM=D, BLOCK_D=d_pad, BLOCK_R=block_m, CHUNK=_merge_chunk(block_m, d_pad, splits), PDL=pdl,
-        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}),
+        HEAD_DIM=D, BLOCK_D=configs.padded_head_dim(D), BLOCK_S=max(2, next_pow2(splits)), PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     ))
     return b.finish((out, lse))
 
 
-def _merge_chunk(block_r: int, block_d: int, splits: int) -> int:
-    """Splits merged at a time (_merge_splits): a (chunk, rows, head dim) fp32 tile of up to 8192
-    elements (64 registers a thread at 4 warps), no more than the splits (powers of two)."""
-    return max(1, min(8192 // (block_r * block_d), next_pow2(splits)))
-
-
 _o_parts, _lse_parts = kept.Kept(), kept.Kept()
-_counters = kept.Kept(zeroed=True)
-
-
 
 
 def _pdl_ok(q) -> bool:

@@ -2,7 +2,7 @@
 
 A small call's host time counts every allocation (2-4.5 us each on the GPU hosts measured). Some
 buffers are only ever used inside one call's launches: an unread lse, the split-KV decoding's
-partial results and its counters, the scratch Triton's launcher asks for tensor descriptors. The
+partial results, the scratch Triton's launcher asks for tensor descriptors. The
 launches of a stream run one after another, so the next call on that stream may reuse the bytes the
 last one used (as the caching allocator would hand the freed block back to that stream); another
 stream gets its own block. Under CUDA graph capture each request gets a fresh tensor from the graph's
@@ -21,16 +21,16 @@ _MAX_VIEWS = 1024
 
 class Kept:
     """One kind of kept buffer: a block of bytes per (device, stream), grown by doubling from
-    ``minimum`` up to ``limit`` bytes, and a view of it kept per requested shape and dtype.
-    ``zeroed``: blocks start as zeros (counters that every call leaves at zero again)."""
+    ``minimum`` up to ``limit`` bytes, and a view of it kept per requested shape and dtype."""
 
-    def __init__(self, limit: int = 8 << 20, minimum: int = 1 << 16, zeroed: bool = False):
-        self.limit, self.minimum, self.zeroed = limit, minimum, zeroed
+    def __init__(self, limit: int = 8 << 20, minimum: int = 1 << 16):
+        self.limit, self.minimum = limit, minimum
         self.blocks: dict = {}  # (device, stream) -> uint8 block
         self.views: dict = {}  # (shape, dtype, device, stream) -> a view of that stream's block
 
-    def _fresh(self, shape, dtype, device) -> torch.Tensor:
-        return (torch.zeros if self.zeroed else torch.empty)(shape, dtype=dtype, device=device)
+    @staticmethod
+    def _fresh(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def __call__(self, shape, dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` on ``device`` (a launch plan's allocation factory)."""
