@@ -57,6 +57,17 @@ def _release_gpu_memory():
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _plans_from_the_first_call(monkeypatch):
+    """Launch plans recorded at a signature's first call (kernels/plan.py's RECORD_AT = 1): most
+    tests check a replay after one recording call. The library's default (the second call) has
+    tests of its own that set it back (test_plan.py's ``test_plan_recorded_at_the_second_call`` and
+    the others that name RECORD_AT, test_gpu.py's graph capture at the recording call)."""
+    from tritonattn.kernels import plan
+
+    monkeypatch.setattr(plan, "RECORD_AT", 1)
+
+
 def set_env(monkeypatch, name: str, value: str | None) -> None:
     """``name`` set to ``value`` for the test, or unset when ``value`` is None."""
     if value is None:

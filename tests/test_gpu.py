@@ -1485,8 +1485,10 @@ def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     content checks of TRITONATTN_DEBUG sync, so they are skipped while a graph is captured: the
     switch is on here (as in every test), and the capture must not break."""
     from tritonattn import flash_attn_with_kvcache
+    from tritonattn.kernels import plan
 
     monkeypatch.setenv("TRITONATTN_DEBUG", "1")
+    monkeypatch.setattr(plan, "RECORD_AT", 2)  # the library's default: one warm-up, the captured call records
     torch.manual_seed(11)
     B, Hq, Hkv, D, cap = 2, 8, 2, 64, 512
     cache0 = [torch.randn(B, cap, Hkv, D, device="cuda", dtype=BF16) for _ in range(2)]

@@ -444,3 +444,45 @@ def test_masked_inference_calls_replay_through_the_linked_plan(monkeypatch):
         tritonattn.attention(*ins, mask=m["key_padding_mask"][:, None, None, :], **m)
     with pytest.raises(TypeError, match="bool"):
         tritonattn.attention(*ins, key_padding_mask=m["key_padding_mask"].float())
+
+
+def test_plan_recorded_at_the_second_call(monkeypatch):
+    """The library's default (plan.RECORD_AT = 2): a signature's first call records nothing (no plan,
+    no link), its second records (and links), its third replays; all three bitwise equal. The
+    decoding route too (flash_attn_with_kvcache)."""
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _randn(gen, 2, 37, 4, 40), _randn(gen, 2, 53, 2, 40), _randn(gen, 2, 53, 2, 40)
+    plan.clear()
+    hits = plan.hits
+    first = flash_attn_func(q, k, v, causal=True)
+    assert not plan._plans and not plan._links and plan.hits == hits
+    second = flash_attn_func(q, k, v, causal=True)
+    assert len(plan._plans) == 1 and len(plan._links) == 1 and plan.hits == hits
+    third = flash_attn_func(q, k, v, causal=True)
+    assert plan.hits == hits + 1 and not plan._seen
+    assert torch.equal(first, second) and torch.equal(first, third)
+    q1 = _randn(gen, 2, 1, 4, 40)
+    outs = [flash_attn_with_kvcache(q1, k, v, cache_seqlens=40, num_splits=3) for _ in range(3)]
+    assert plan.hits == hits + 2 and all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_growing_shapes_keep_no_plans(monkeypatch):
+    """A generation loop's calls over a cache one row longer each step (every signature new) record
+    no plans and keep a bounded set of seen keys; each result is bitwise the plain path's (a plan
+    recorded at the first call, replayed)."""
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    monkeypatch.setattr(plan, "_MAX_SEEN", 8)
+    gen = torch.Generator().manual_seed(5)
+    q = _randn(gen, 1, 1, 4, 32)
+    kc, vc = _randn(gen, 1, 2, 300, 32), _randn(gen, 1, 2, 300, 32)  # (B, H, S, D), seen as (B, S, H, D)
+    plan.clear()
+    outs = []
+    for n in range(257, 277):
+        outs.append(flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)))
+        assert not plan._plans and not plan._links and len(plan._seen) <= 8
+    monkeypatch.setattr(plan, "RECORD_AT", 1)
+    for n, out in zip(range(257, 277, 5), outs[::5]):
+        args = (q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2))
+        flash_attn_func(*args)  # records
+        assert torch.equal(out, flash_attn_func(*args))
