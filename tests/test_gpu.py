@@ -1477,7 +1477,7 @@ def test_inference_in_a_cuda_graph_beside_eager_calls(poison):
         assert torch.equal(eager, ref)
 
 
-@pytest.mark.parametrize("splits", [0, 1], ids=["split-kv", "one-split"])
+@pytest.mark.parametrize("splits", [0, 4, 1], ids=["auto", "split-kv", "one-split"])
 def test_decode_step_in_a_cuda_graph(splits, monkeypatch):
     """A decoding step (tensor cache_seqlens, new k / v appended in place) captured in a CUDA graph
     and replayed with new inputs equals the eager call: nothing in the path syncs with the host or

@@ -461,7 +461,9 @@ def test_pick_num_splits(monkeypatch):
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert decode.pick_num_splits(1, 8, 16384, cuda) == 16
-    assert decode.pick_num_splits(1, 8, 1000, cuda) == 4  # splits of at least 256 keys
+    assert decode.pick_num_splits(1, 8, 1025, cuda) == 5  # splits of at least 256 keys
+    assert decode.pick_num_splits(1, 8, 1024, cuda) == 1  # a short cache: one launch (DECODE_ONE_SPLIT_KEYS)
+    assert decode.pick_num_splits(1, 8, 4096, cuda) == 16
     assert decode.pick_num_splits(8, 8, 16384, cuda) == 2
     assert decode.pick_num_splits(32, 8, 16384, cuda) == 2  # 256 programs: under two waves
     assert decode.pick_num_splits(33, 8, 16384, cuda) == 1
@@ -490,14 +492,15 @@ def test_kvcache_is_inference_only_with_inputs_that_require_grad(poison, monkeyp
 
 
 # Dense calls shaped like a decoding step (configs.dense_decode): flash_attn_func and the other dense
-# entry points take the split-KV decoding kernel over all of k / v.
+# entry points take the split-KV decoding kernel over all of k / v. ``splits``: more than one split
+# and the combine (else these short caches take one split, configs.DECODE_ONE_SPLIT_KEYS).
 DENSE_DECODE_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal, dtype, options
     (2, 1, 300, 8, 2, 64, False, F16, {}),
-    (1, 3, 700, 4, 4, 40, True, torch.float32, {}),
+    (1, 3, 700, 4, 4, 40, True, torch.float32, dict(splits=True)),
     (3, 2, 257, 6, 1, 128, True, torch.bfloat16, dict(window_size=(100, 0), softcap=5.0)),
     (2, 1, 300, 8, 2, 80, False, F16, dict(alibi=True, transposed=True)),
-    (1, 16, 520, 8, 2, 64, True, F16, dict(window_size=(60, 3))),  # 64 query rows per kv head: the limit
+    (1, 16, 520, 8, 2, 64, True, F16, dict(window_size=(60, 3), splits=True)),  # 64 query rows per kv head: the limit
 ]
 
 
@@ -545,6 +548,8 @@ def test_dense_decode_shapes_take_the_decoding_kernel(case, poison, monkeypatch)
 
     B, Sq, Sk, Hq, Hkv, D, causal, dtype, opts = case
     torch.manual_seed(Sk + Sq)
+    if opts.get("splits"):
+        monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)
     calls = _decode_spy(monkeypatch)
     q, k, v, kw = _decode_inputs(B, Sq, Sk, Hq, Hkv, D, dtype, opts, grad=True)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **kw)

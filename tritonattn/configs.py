@@ -141,6 +141,16 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
             and Sk >= DENSE_DECODE_MIN_KEYS)
 
 
+# Split-KV decoding (kernels/decode.py, num_splits=0) over a cache of at most this many rows: one
+# split, whose program writes the output (one launch, no combine). An eager decoding step is host
+# bound there, and a second launch costs more than the split saves on the device. H100, bf16, Hq=32
+# Hkv=8 D=128, L2 flushed by a read (fortieth session, benchmarks/NOTES.md): eager, B=1 / 1024 keys
+# 16.7 us with one split against 26.3-27.6 with 2-16; B=4 / 1024 17.2 against 25.3-26.2; at 2048
+# keys even (28.4 / 29.2 against 25.7-28.1), at 4096 splits win (51 against 26-30). As CUDA graph
+# replays one split costs more (B=1 / 1024: 17.9 against 11.1-12.3 us; B=4: 18.5 against 15.3):
+# graphs of short caches lose that much, eager steps gain more.
+DECODE_ONE_SPLIT_KEYS: int = 1024
+
 # Split-KV decoding's combine kernel (kernels/decode.py) through programmatic dependent launch (sm_90): it is launched
 # while the split kernel runs and waits for it on the device (griddepcontrol), instead of starting
 # after the split grid's end; for the short decoding steps where a launch gap is a sizeable share of

@@ -358,7 +358,10 @@ def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.devi
     latency that a lone program per SM shows and a second one hides: 16-row pages on an H100 at
     batch 8, 16384 / 4096 keys, 4 splits 1.39x / 1.30x the 2 of one wave (0.97x / 0.95x cuDNN on
     the contiguous cache); batch 1 / 16384, 32 splits 1.21x the 16 (thirty-fifth session,
-    ``results/2026-12-06/tune-decode-paged16-62fdb9f-h100.md``); the contiguous cache loses 1-9% there."""
+    ``results/2026-12-06/tune-decode-paged16-62fdb9f-h100.md``); the contiguous cache loses 1-9% there.
+    Caches of at most ``configs.DECODE_ONE_SPLIT_KEYS`` rows: one split (one launch; see there)."""
+    if capacity <= configs.DECODE_ONE_SPLIT_KEYS:
+        return 1
     sms = sm_count(device)
     if batch * kv_heads >= 2 * sms:
         return 1
