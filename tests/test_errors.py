@@ -142,6 +142,31 @@ def test_checks_still_run_after_a_remembered_signature():
         flash_attn_func(q, k[..., :8], v[..., :8], softmax_scale=1, window_size=[3, -1])
 
 
+def test_remembered_signature_spans_sequence_lengths():
+    """flash_attn_func's checks read no sequence length (but for k and v having one shape), so one
+    remembered signature covers calls whose q / k / v lengths change (a generation loop's cache, one
+    key longer each step): one key for all, each result bitwise the checked call's. k and v of
+    different lengths, or a tensor with another number of dims, still get the checks."""
+    from tritonattn import interface
+
+    interface._VALIDATED.clear()
+    outs = []
+    for sq, sk in ((1, 20), (1, 21), (3, 22), (1, 37)):
+        q, k, v = _qkv(B=2, Sq=sq, Sk=sk, Hq=4, Hkv=2)
+        outs.append((q, k, v, flash_attn_func(q, k, v)))
+    assert len(interface._VALIDATED) == 1
+    for q, k, v, out in outs:
+        interface._VALIDATED.clear()  # the full checks again
+        assert torch.equal(flash_attn_func(q, k, v), out)
+    q, k, v = _qkv(B=2, Sq=1, Sk=24, Hq=4, Hkv=2)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attn_func(q, k, v[:, :23])
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        flash_attn_func(q[:, 0], k, v)
+    with pytest.raises(ValueError, match="k has batch size"):
+        flash_attn_func(q, k[:1], v[:1])
+
+
 def test_packed_entry_points_remember_signatures_and_checks_still_run():
     """The kv- / qkv-packed and varlen entry points skip their checks for a signature that passed them
     (host time), as flash_attn_func does, each in its own part of the store: their results equal the

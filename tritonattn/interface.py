@@ -123,22 +123,31 @@ _Tensor = torch.Tensor
 _PLAIN = (type(None), bool, int, float, str, type)
 
 
-def _signature(tensors: tuple, options: tuple, tag: str | None = None) -> tuple | None:
+def _signature(tensors: tuple, options: tuple, tag: str | None = None, seq_free: bool = False) -> tuple | None:
     """Key of a call for remembered checks: type, shape, dtype and device of each tensor argument
     (None where absent) and the type and value of each option (types too, so that True is not taken
     for an accepted 1; a list or tuple option element by element). None when a tensor argument is
     not a plain tensor or an option (element) is not None, a bool, an int, a float, a string or a
     type (a 0-d tensor flag would hash by identity and may change in place): such calls take the
     checks, which name what is wrong. ``tag`` (the entry point, where it shares a store with others)
-    leads the key."""
+    leads the key. ``seq_free`` (flash_attn_func, ``tensors`` = (q, k, v), whose checks read no
+    sequence length but for k / v having one shape): dim 1 of each shape stands as -1 in the key, and
+    the key holds whether k's and v's dim 1 agree; a generation loop's calls, one key longer each
+    step, then share one remembered signature."""
     key = [] if tag is None else [tag]
     for t in tensors:
         if t is None:
             key.append(None)
         elif type(t) is _Tensor and not t.is_nested:  # (a strided nested tensor has no shape)
-            key.append((t.shape, t.dtype, t.device))
+            shape = t.shape
+            if seq_free and len(shape) >= 2:
+                shape = (shape[0], -1, *shape[2:])  # (-1: no real size; the number of dims kept)
+            key.append((shape, t.dtype, t.device))
         else:
             return None
+    if seq_free:
+        k, v = tensors[1], tensors[2]
+        key.append(k.dim() >= 2 and v.dim() >= 2 and k.shape[1] == v.shape[1])
     for o in options:
         if type(o) in (list, tuple):
             if any(type(x) not in _PLAIN for x in o):
@@ -184,12 +193,13 @@ def _validated(key, dropout_p, t: torch.Tensor, check, *args) -> Variants:
 
 
 def _options_key(tensors, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 tag=None, lengths=()):
+                 tag=None, lengths=(), seq_free=False):
     """:func:`_signature` of an entry point's call, or None (checks every call) while torch.compile
     traces or with ALiBi slopes (a tensor); ``lengths``: its max_seqlen ints."""
     if alibi_slopes is not None or torch.compiler.is_compiling():
         return None
-    return _signature(tensors, (*lengths, dropout_p, softmax_scale, causal, window_size, softcap, deterministic), tag)
+    return _signature(tensors, (*lengths, dropout_p, softmax_scale, causal, window_size, softcap, deterministic), tag,
+                      seq_free)
 
 
 def _check_mask_and_bias(q, k, bias, mask, key_padding_mask, var: Variants) -> None:
@@ -370,7 +380,8 @@ def flash_attn_func(
         res = replay_linked(fast, q, k, v)
         if res is not None:
             return res[0]
-    key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                       seq_free=True)
     var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
     var.fast_key = fast  # (the launcher links it to its plan)
