@@ -1415,9 +1415,15 @@ def test_split_decoding_repeats_on_gpu(poison):
             assert torch.equal(out_g, ref)
 
 
-def test_training_step_in_a_cuda_graph(poison):
+@pytest.mark.parametrize("record_at", [1, 2], ids=["plans-at-first-call", "plans-at-second-call"])
+def test_training_step_in_a_cuda_graph(record_at, poison, monkeypatch):
     """Forward and backward captured in one CUDA graph (what takes host time out of short eager
-    calls): replays with new inputs give bitwise what eager calls give."""
+    calls): replays with new inputs give bitwise what eager calls give. One warm-up step: with the
+    library's default (plans recorded at a signature's second call) the captured step records the
+    forward's and the backward's plans, which the eager steps after it replay."""
+    from tritonattn.kernels import plan
+
+    monkeypatch.setattr(plan, "RECORD_AT", record_at)
     torch.manual_seed(6)
     q = torch.randn(2, 300, 8, 128, device="cuda", dtype=BF16, requires_grad=True)
     k = torch.randn(2, 300, 2, 128, device="cuda", dtype=BF16, requires_grad=True)
