@@ -165,6 +165,10 @@ def test_remembered_signature_spans_sequence_lengths():
         flash_attn_func(q[:, 0], k, v)
     with pytest.raises(ValueError, match="k has batch size"):
         flash_attn_func(q, k[:1], v[:1])
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flash_attn_func(q, None, v)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+        flash_attn_func(q, k, None)
 
 
 def test_packed_entry_points_remember_signatures_and_checks_still_run():

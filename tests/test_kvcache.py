@@ -421,6 +421,36 @@ def test_which_kernel_decodes(monkeypatch):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_split_count_switch_and_cap(monkeypatch):
+    """The decoding plan's key holds configs.DECODE_ONE_SPLIT_KEYS (a changed switch takes its own
+    plan, not the recorded one's split count), and a user's num_splits is capped at 128 (the combine
+    loads a row's splits at once); results against the reference."""
+    from tritonattn.kernels import launch
+
+    seen, real = [], launch.launch
+
+    def spy(fn, grid, args, kwargs):
+        seen.append((fn.__name__, tuple(grid)))
+        return real(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    torch.manual_seed(9)
+    q = torch.randn(1, 1, 2, 16, device=DEVICE).to(F16)
+    kc, vc = _cache(1, 600, 1, 16)
+    for keys, n in ((1024, 1), (0, 2)):  # (no plan.clear between them: the second is a new key)
+        monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", keys)
+        seen.clear()
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=500)
+        assert len(seen) == n, (keys, seen)
+    kc, vc = _cache(1, 129 * 128, 1, 16)
+    seen.clear()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=129 * 128 - 5, num_splits=129,
+                                       return_softmax_lse=True)
+    assert seen[0][0] == "_decode_split_kernel" and seen[0][1][0] <= 128, seen
+    n = 129 * 128 - 5
+    check_against_reference(q, kc[:, :n], vc[:, :n], out, lse, None, None, False)
+
+
 @pytest.mark.parametrize("Sq,group,D,splits,dtype", [
     (1, 4, 64, 2, F16), (1, 4, 40, 7, F16), (4, 4, 128, 16, F16), (16, 4, 32, 3, torch.float32), (1, 1, 64, 33, F16),
 ], ids=lambda x: str(x).replace("torch.", ""))

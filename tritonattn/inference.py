@@ -109,7 +109,8 @@ def flash_attn_with_kvcache(
             aligned bottom-right (the new queries are the last ones).
         num_splits: how many key splits the decoding kernel uses (every query of a kv head's GQA
             group in one tile, splits merged by log-sum-exp; 1: no split, the kernel writes the
-            output itself); 0 picks about one wave of programs, and one split once batch x
+            output itself; at most 128 are used); 0 picks one split for caches of at most 1024
+            rows (one launch), else about one wave of programs, and one split once batch x
             nheads_k fills two waves of the GPU's SMs. That kernel runs when
             ``seqlen_q * nheads / nheads_k <= 64``; longer query blocks take the forward kernel
             (one program per query block, no split), and ``num_splits`` is then only a hint, as

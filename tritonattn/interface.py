@@ -145,8 +145,10 @@ def _signature(tensors: tuple, options: tuple, tag: str | None = None, seq_free:
             key.append((shape, t.dtype, t.device))
         else:
             return None
-    if seq_free:
+    if seq_free:  # (k / v: plain tensors or None here; None takes the checks, which name it)
         k, v = tensors[1], tensors[2]
+        if k is None or v is None:
+            return None
         key.append(k.dim() >= 2 and v.dim() >= 2 and k.shape[1] == v.shape[1])
     for o in options:
         if type(o) in (list, tuple):

@@ -380,7 +380,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     k / v, and an entry point's key (``var.fast_key``) is linked to the plan as the forward's is."""
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, configs.DECODE_PDL,
+           var.signature(), capacity, num_splits, configs.DECODE_PDL, configs.DECODE_ONE_SPLIT_KEYS,
            new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
     res = plan.replay(key, inputs, q.device)
     if res is None:  # a new signature (else the same as an earlier call's, every step of a decoding loop)
@@ -396,7 +396,8 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    splits = num_splits if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device,
+    # (a user's count capped at 128, as the heuristic's: the combine loads a row's splits at once)
+    splits = min(num_splits, 128) if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device,
                                                                 var.block_table is not None)
     cfg = configs.decode_config(q)
     split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
