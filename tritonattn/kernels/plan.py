@@ -191,7 +191,7 @@ class Builder:
         self.ok = _replayable() and _record_now(key)
         self.slot: dict[int, int] = {}
         self.aliases: list = []
-        for i, t in enumerate(inputs):
+        for i, t in enumerate(inputs if self.ok else ()):  # (a call that records nothing maps nothing)
             if t is not None:
                 if id(t) in self.slot:  # one tensor in two roles
                     self.aliases.append((self.slot[id(t)], i))
@@ -207,6 +207,8 @@ class Builder:
         """An input the launches write into, zeroed first when ``zero`` (replayed before the launches)."""
         if zero:
             t.zero_()
+            if not self.ok:
+                return t
             s = self.slot.get(id(t))
             if s is None:
                 self.ok = False
@@ -221,6 +223,8 @@ class Builder:
 
     def alloc(self, factory, shape, dtype, device) -> torch.Tensor:
         t = factory(shape, dtype=dtype, device=device)
+        if not self.ok:
+            return t
         self.slot[id(t)] = self.n_inputs + len(self.allocs)
         self.allocs.append((factory, tuple(shape), dtype))
         self.bufs.append(t)
