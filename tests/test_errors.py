@@ -71,7 +71,12 @@ def test_head_dim_too_large():
 
 
 def test_cpu_tensors_without_interpreter(monkeypatch):
+    from tritonattn import interface
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # (the switch is read by the checks, not held in remembered signatures: in a process it does not
+    # change, triton reads it once at import; another test's call of these shapes is forgotten here)
+    interface._VALIDATED.clear()
     q, k, v = (t.cpu() for t in _qkv())
     with pytest.raises(ValueError, match="q is on cpu; tritonattn needs CUDA tensors .*TRITON_INTERPRET=1"):
         flash_attn_func(q, k, v)
