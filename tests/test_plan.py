@@ -486,3 +486,23 @@ def test_growing_shapes_keep_no_plans(monkeypatch):
         args = (q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2))
         flash_attn_func(*args)  # records
         assert torch.equal(out, flash_attn_func(*args))
+
+
+def test_training_plans_recorded_at_the_second_call(monkeypatch):
+    """The library's default for a training loop: the forward's and the backward's plans recorded at
+    their second step and replayed from the third, every step's output and gradients bitwise the
+    first's."""
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (_randn(gen, 2, n, h, 40).requires_grad_() for n, h in ((37, 4), (53, 2), (53, 2)))
+    dout = _randn(gen, 2, 37, 4, 40)
+    plan.clear()
+    steps, hits = [], []
+    for _ in range(4):
+        hits.append(plan.hits)
+        out = flash_attn_func(q, k, v, causal=True)
+        steps.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert hits[0] == hits[1] == hits[2] and hits[3] >= hits[2] + 2, hits  # both replayed from the third step
+    assert {key[0] for key in plan._plans} >= {"fwd", "bwd"}, list(plan._plans)
+    for later in steps[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(steps[0], later))
