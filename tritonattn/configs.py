@@ -151,12 +151,13 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
 # graphs of short caches lose that much, eager steps gain more.
 DECODE_ONE_SPLIT_KEYS: int = 1024
 
-# Split-KV decoding's combine kernel (kernels/decode.py) through programmatic dependent launch (sm_90): it is launched
-# while the split kernel runs and waits for it on the device (griddepcontrol), instead of starting
-# after the split grid's end; for the short decoding steps where a launch gap is a sizeable share of
-# the time. TRITONATTN_DECODE_PDL=1, read once here (tests and scripts/tune_decode.py set the switch).
-# Off by default: as CUDA graph replays on the H200 it gained nothing (-6% to +0.3% at batch 1 / 8,
-# caches of 4096 / 16384; benchmarks/NOTES.md, 2026-11-30, seventh session).
+# Split-KV decoding's combine kernel (kernels/decode.py) through programmatic dependent launch
+# (sm_90): it is launched while the split kernel runs and waits for it on the device (griddepcontrol),
+# instead of starting after the split grid's end; for the short decoding steps where a launch gap is
+# a sizeable share of the time. TRITONATTN_DECODE_PDL=1, read once here (tests and
+# scripts/tune_decode.py set the switch). Off by default: as CUDA graph replays on the H200 it
+# gained nothing (-6% to +0.3% at batch 1 / 8, caches of 4096 / 16384; benchmarks/NOTES.md,
+# 2026-11-30, seventh session).
 DECODE_PDL: bool = env_flag("TRITONATTN_DECODE_PDL")
 
 

@@ -347,6 +347,11 @@ def _cache_append_kernel(
                 tl.store(LENS_OUT + off_b, lens + n_new)
 
 
+# The most key splits a call takes, the heuristic's or a user's num_splits: the combine kernel loads
+# a query row's splits at once (a (splits, head dim) fp32 tile per program).
+MAX_SPLITS = 128
+
+
 def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.device, paged: bool = False) -> int:
     """About one wave of programs (SMs // (batch x kv heads) splits), at least 2, and splits of at
     least 256 keys. Measured on the H200 (scripts/tune_decode.py, benchmarks/NOTES.md 2026-11-30):
@@ -366,7 +371,7 @@ def pick_num_splits(batch: int, kv_heads: int, capacity: int, device: torch.devi
     if batch * kv_heads >= 2 * sms:
         return 1
     want = max(2, (2 if paged else 1) * sms // (batch * kv_heads))
-    return max(1, min(want, cdiv(capacity, 256), 128))
+    return max(1, min(want, cdiv(capacity, 256), MAX_SPLITS))
 
 
 def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: tuple | None = None):
@@ -396,9 +401,10 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    # (a user's count capped at 128, as the heuristic's: the combine loads a row's splits at once)
-    splits = min(num_splits, 128) if num_splits > 0 else pick_num_splits(B, Hkv, capacity, q.device,
-                                                                var.block_table is not None)
+    if num_splits > 0:
+        splits = min(num_splits, MAX_SPLITS)
+    else:
+        splits = pick_num_splits(B, Hkv, capacity, q.device, var.block_table is not None)
     cfg = configs.decode_config(q)
     split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
     splits = cdiv(capacity, split_len)
