@@ -48,6 +48,21 @@ def main() -> int:
     padding = torch.ones(1, 128, dtype=torch.bool, device=dev)  # a padded batch's key padding mask
     padding[:, :7] = False
 
+    # a generate step over a growing cache (transformers' DynamicCache: flash_attn_func with Sq=1
+    # over a cache one row longer at every call, so never a shape seen before) and the same step
+    # over a fixed cache; B=1, Llama-3 8B heads (Hq=32, Hkv=8, D=128). Lengths start above
+    # configs.DECODE_ONE_SPLIT_KEYS and the cache holds every call's (no length is seen twice)
+    rounds = int(os.environ.get("OVERHEAD_ROUNDS", "7"))
+    start = 1100
+    qd = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    kd, vd = (torch.randn(1, start + 240 * rounds + 64, 8, 128, device=dev, dtype=dt) for _ in range(2))
+    grown = [start]
+
+    def decode_growing():
+        grown[0] += 1
+        n = min(grown[0], kd.shape[1])  # (past the end: repeats, recorded as a fixed shape)
+        return tritonattn.flash_attn_func(qd, kd[:, :n], vd[:, :n], causal=True)
+
     def fwd_bwd():
         out = tritonattn.flash_attn_func(qg, kg, vg, causal=True)
         torch.autograd.grad(out, (qg, kg, vg), dout)
@@ -72,6 +87,9 @@ def main() -> int:
             q1, kc, vc, cache_seqlens=seqlens),
         "flash_attn_with_kvcache (Sq=1, append + rotary)": lambda: tritonattn.flash_attn_with_kvcache(
             q1, kc, vc, k1, v1, cos, sin, cache_seqlens=seqlens, causal=True),
+        "flash_attn_func decode step, fixed cache (Sq=1, 1100 keys, Hq 32 / Hkv 8, D 128)": lambda: (
+            tritonattn.flash_attn_func(qd, kd[:, :start], vd[:, :start], causal=True)),
+        "flash_attn_func decode step, growing cache (one key more per call)": decode_growing,
         "tritonattn.scaled_dot_product_attention": lambda: tritonattn.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True),
         "tritonattn.scaled_dot_product_attention, bool mask (B, 1, 1, Sk)": lambda: (
@@ -174,7 +192,6 @@ def main() -> int:
     # interleaved rounds, median per cell: the host's speed drifts by 30% within a run (a case
     # measured first, alone, read 65 us and 41 us a minute later), so every cell samples the
     # whole run
-    rounds = int(os.environ.get("OVERHEAD_ROUNDS", "7"))
     samples: dict = {}
     for _ in range(rounds):
         for setting, ctx in settings.items():
