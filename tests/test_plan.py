@@ -467,25 +467,76 @@ def test_plan_recorded_at_the_second_call(monkeypatch):
     assert plan.hits == hits + 2 and all(torch.equal(outs[0], o) for o in outs)
 
 
-def test_growing_shapes_keep_no_plans(monkeypatch):
+@pytest.mark.parametrize("splits", [1, 2], ids=["one-split", "two-splits"])
+@pytest.mark.parametrize("dense_decode", [True, False], ids=["decoding-kernel", "forward-kernel"])
+def test_growing_shapes_keep_no_plans(dense_decode, splits, monkeypatch):
     """A generation loop's calls over a cache one row longer each step (every signature new) record
-    no plans and keep a bounded set of seen keys; each result is bitwise the plain path's (a plan
-    recorded at the first call, replayed)."""
+    no plan of their shape and link nothing, keeping a bounded set of seen keys. On the forward
+    kernel no plan at all; on the decoding kernel (configs.dense_decode) one plan keyed without the
+    cache's length (its length, k / v strides and split length are the plan's values), recorded at
+    the second call and replayed from the third. Each result is bitwise the launcher's full path."""
+    from tritonattn.kernels import decode
+
     monkeypatch.setattr(plan, "RECORD_AT", 2)
     monkeypatch.setattr(plan, "_MAX_SEEN", 8)
+    monkeypatch.setattr(configs, "DENSE_DECODE", dense_decode)
+    if splits > 1:  # (caches of up to DECODE_ONE_SPLIT_KEYS rows take one split)
+        monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)
     gen = torch.Generator().manual_seed(5)
     q = _randn(gen, 1, 1, 4, 32)
     kc, vc = _randn(gen, 1, 2, 300, 32), _randn(gen, 1, 2, 300, 32)  # (B, H, S, D), seen as (B, S, H, D)
     plan.clear()
-    outs = []
-    for n in range(257, 277):
+    outs, hits = [], []
+    lengths = range(257, 277)
+    for n in lengths:
+        hits.append(plan.hits)
         outs.append(flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)))
-        assert not plan._plans and not plan._links and len(plan._seen) <= 8
-    monkeypatch.setattr(plan, "RECORD_AT", 1)
-    for n, out in zip(range(257, 277, 5), outs[::5]):
-        args = (q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2))
-        flash_attn_func(*args)  # records
-        assert torch.equal(out, flash_attn_func(*args))
+        assert not plan._links and len(plan._seen) <= 8 and len(plan._seen_links) <= 8
+        kinds = [key[0] for key in plan._plans]
+        assert kinds == (["decode-dense"] if dense_decode and n > lengths[0] else []), kinds
+    if dense_decode:  # replayed from the third call, with the split count asked for
+        assert hits[2] == hits[1] == hits[0] and hits[-1] == hits[2] + len(lengths) - 3, hits
+        (key,) = plan._plans
+        assert key[-2] == splits, key
+        assert decode._splits(q, kc.transpose(1, 2), Variants(0.0), 300, 0)[0] == splits
+    # the launcher's full path, every call
+    monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
+    for n, out in zip(lengths, outs):
+        assert torch.equal(out, flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2))), n
+
+
+def test_plan_with_values_linked_per_shape(monkeypatch):
+    """The dense decoding route's plan (keyed without the cache's length) linked to the entry keys of
+    two fixed shapes, called in turn: each linked replay takes its own shape's values (cache length,
+    strides, split length), bitwise the full path's result; a third shape seen once links nothing."""
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)  # two splits: split_len a value too
+    gen = torch.Generator().manual_seed(7)
+    q = _randn(gen, 2, 1, 4, 32)
+    kc, vc = _randn(gen, 2, 2, 700, 32), _randn(gen, 2, 2, 700, 32)
+    shapes = (300, 611)  # split lengths 160 / 320 (tile 32 under the interpreter)
+
+    def call(n):
+        return flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2), causal=True)
+
+    plan.clear()
+    outs = {n: [] for n in shapes}
+    for _ in range(4):
+        for n in shapes:
+            outs[n].append(call(n))
+    assert len(plan._links) == 2 and len(plan._plans) == 1, (list(plan._links), list(plan._plans))
+    hits = plan.hits
+    for n in shapes:
+        outs[n].append(call(n))
+    assert plan.hits == hits + 2
+    call(450)
+    assert len(plan._links) == 2
+    monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
+    for n in shapes:
+        full = call(n)
+        assert all(torch.equal(full, out) for out in outs[n]), n
 
 
 def test_training_plans_recorded_at_the_second_call(monkeypatch):

@@ -382,32 +382,53 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     after ``var.kv_lens`` rows, rotary tables (or None) applied to q and the new keys, and the cache's
     rows (pages when paged). Without ``var.kv_lens`` (a dense call routed here by
     fwd.attention_forward, configs.dense_decode), every batch row's keys are the ``capacity`` rows of
-    k / v, and an entry point's key (``var.fast_key``) is linked to the plan as the forward's is."""
+    k / v, and an entry point's key (``var.fast_key``) is linked to the plan as the forward's is.
+
+    Such a call's plan is keyed without the cache's length: its length, the strides of k / v and the
+    split length are the plan's values (plan.py), so a generation loop over a cache one row longer
+    at every call (transformers' DynamicCache) replays one plan per split count."""
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
-    key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-           var.signature(), capacity, num_splits, configs.DECODE_PDL, configs.DECODE_ONE_SPLIT_KEYS,
-           new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
-    res = plan.replay(key, inputs, q.device)
+    splits, split_len = _splits(q, k, var, capacity, num_splits)
+    if var.kv_lens is None and var.block_table is None and new is None:  # every row's keys: the whole cache
+        values = (*k.stride(), *v.stride(), split_len, capacity)
+        key = ("decode-dense", q.shape, q.stride(), k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], q.dtype,
+               q.device, var.signature(), splits, configs.DECODE_PDL)
+    else:
+        values = ()
+        key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+               var.signature(), capacity, splits, configs.DECODE_PDL,
+               new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
+    res = plan.replay(key, inputs, q.device, values)
     if res is None:  # a new signature (else the same as an earlier call's, every step of a decoding loop)
-        res = _record(key, inputs, q, k, v, var, capacity, num_splits, new)
+        res = _record(key, inputs, q, k, v, var, capacity, splits, split_len, new, values)
     if var.fast_key is not None:  # (no tensor descriptors here: Triton's allocator is not needed)
-        plan.link(var.fast_key, key, (False, None))
+        plan.link(var.fast_key, key, (False, None, values))
     return res
 
 
-def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int, new: tuple | None):
-    """:func:`decode_forward`'s full path, recorded as the launch plan of ``key``."""
-    b = plan.Builder(key, inputs)
-    B, Sq, Hq, D = q.shape
+def _splits(q, k, var: Variants, capacity: int, num_splits: int) -> tuple[int, int]:
+    """``(splits, split_len)``: how many key splits a call takes (``num_splits``, capped at
+    MAX_SPLITS, or the heuristic's for 0) and the keys of each, a multiple of the tile's BLOCK_N."""
+    B, _, Hq, _ = q.shape
     Hkv = k.shape[2]
-    group = Hq // Hkv
     if num_splits > 0:
         splits = min(num_splits, MAX_SPLITS)
     else:
         splits = pick_num_splits(B, Hkv, capacity, q.device, var.block_table is not None)
+    block_n = configs.decode_config(q).block_n
+    split_len = cdiv(cdiv(capacity, splits), block_n) * block_n
+    return cdiv(capacity, split_len), split_len
+
+
+def _record(key, inputs, q, k, v, var: Variants, capacity: int, splits: int, split_len: int, new: tuple | None,
+            values: tuple):
+    """:func:`decode_forward`'s full path, recorded as the launch plan of ``key``; ``values`` (when
+    given): k's and v's strides, ``split_len`` and ``capacity``, the plan's values."""
+    b = plan.Builder(key, inputs, len(values))
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
     cfg = configs.decode_config(q)
-    split_len = cdiv(cdiv(capacity, splits), cfg.block_n) * cfg.block_n
-    splits = cdiv(capacity, split_len)
     block_m = max(16, next_pow2(group * Sq))
     direct = splits == 1  # one split: the kernel writes out / lse itself
     pdl = configs.DECODE_PDL and not direct and _pdl_ok(q)
@@ -422,15 +443,16 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
     k_new, v_new, cos, sin, interleaved, local, cache_rows = new or (None, None, None, None, True, False, 0)
     append, rotary = k_new is not None, cos is not None
     kn, vn = (k_new, v_new) if append else (q, q)  # (placeholders, never read)
-    b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), (
-        q, k, v, o_part, lse_part, *q.stride(), *out.stride(), *k.stride(), *v.stride(),
-        *var.alibi_args(q), *cache,
-        Hq, Hkv, group, Sq, split_len, *var.scale_args(), *var.window_args(),
-        kn, vn, cos if rotary else q, sin if rotary else q, *kn.stride(), *vn.stride(),
-        *(cos.stride() if rotary else (0, 0)), *(sin.stride() if rotary else (0, 0)),
-        k_new.shape[1] if append else 0, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0, capacity,
-        cache_rows,
-    ), dict(
+    head = (q, k, v, o_part, lse_part, *q.stride(), *out.stride())
+    mid = (*k.stride(), *v.stride(), *var.alibi_args(q), *cache, Hq, Hkv, group, Sq)
+    tail = (split_len, *var.scale_args(), *var.window_args(),
+            kn, vn, cos if rotary else q, sin if rotary else q, *kn.stride(), *vn.stride(),
+            *(cos.stride() if rotary else (0, 0)), *(sin.stride() if rotary else (0, 0)),
+            k_new.shape[1] if append else 0, cos.shape[1] if rotary else 0, cos.shape[0] if rotary else 0)
+    args = (*head, *mid, *tail, capacity, cache_rows)
+    # the plan's values: k's and v's strides (after head), split_len (after mid), capacity (after tail)
+    at = (*range(len(head), len(head) + 8), len(head) + len(mid), len(head) + len(mid) + len(tail))
+    b.launch(_decode_split_kernel, program_grid(splits, B * Hkv, wide), args, dict(
         WIN_LEFT=c["WIN_LEFT"], WIN_RIGHT=c["WIN_RIGHT"], SOFTCAP=c["SOFTCAP"], HAS_ALIBI=c["HAS_ALIBI"],
         HAS_LEFTPAD=var.kv_leftpad is not None, HAS_BATCH_IDX=var.kv_batch_idx is not None,
         PAGED=var.block_table is not None,
@@ -439,7 +461,8 @@ def _record(key, inputs, q, k, v, var: Variants, capacity: int, num_splits: int,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, HEADS_FIRST=wide, DIRECT=direct, PDL=pdl,
         APPEND=append, ROTARY=rotary, INTERLEAVED=interleaved, LOCAL=local, PTX=not configs.interpreting(),
         BLOCK_NEW=min(next_pow2(k_new.shape[1]), 16) if append else 1, HAS_LENS=var.kv_lens is not None,
-    ))
+    ), tuple(zip(at, range(len(values)))))
+    assert not values or tuple(args[i] for i in at) == values  # (the positions above name the values)
     if direct:
         return b.finish((out, lse))
     b.launch(_decode_combine_kernel, (B * Hq * Sq,), (

@@ -382,7 +382,7 @@ def attention_forward(q, k, v, var: Variants):
         # with the mask's layout: the entry point's key holds the user's mask's shape and strides, of
         # which the laid-out view's (var.mask) are a function
         layout = None if var.mask is None else (var.mask.size(), var.mask.stride())
-        plan.link(var.fast_key, key, (tma or aligned, layout))
+        plan.link(var.fast_key, key, (tma or aligned, layout, ()))
     return res
 
 
@@ -413,18 +413,19 @@ def replay_linked(entry_key, q, k, v, mask=None) -> tuple | None:
     an earlier :func:`attention_forward` linked to ``entry_key`` (``Variants.fast_key``; plan.link),
     or None: no such plan, or the inputs do not share the tensors the recorded call shared. The
     entry point's key holds all the launcher's key is made of; the mask is laid out as the recorded
-    call's was (its bytes, with the recorded view's sizes and strides)."""
+    call's was (its bytes, with the recorded view's sizes and strides), and a plan that takes values
+    (the dense decoding route's) gets those of the linked call (its shapes: the entry key's)."""
     entry = plan.linked(entry_key)
     if entry is None:
         return None
-    p, (allocator, layout) = entry
+    p, (allocator, layout, values) = entry
     if allocator:
         _need_allocator()
     if layout is None:
-        return p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device)
+        return p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device, values)
     options = list(_NO_TENSOR_OPTIONS)
     options[_MASK_SLOT] = mask.view(torch.uint8).as_strided(*layout)
-    return p.run((q, k, v, *options), q.device)
+    return p.run((q, k, v, *options), q.device, values)
 
 
 def _record(key, inputs, q, k, v, var: Variants, tma: bool, aligned: bool) -> tuple:

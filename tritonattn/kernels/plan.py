@@ -25,6 +25,13 @@ its own, built from its arguments, that names everything the launcher's key is m
 that passed its checks once (the inference calls of flash_attn_func and the SDPA drop-in:
 interface._fast_key).
 
+A plan may also take integer *values* at replay (:meth:`Builder.launch`'s ``values``): arguments
+that the launcher computes from the call's shapes and strides, left out of the plan's key. The
+dense decoding route keys its plan without the cache's length (kernels/decode.py), so that a
+generation loop over a cache one row longer at every step (a new shape each call) replays one plan
+with that step's length, strides and split length. The compiled kernels a replay takes are then
+kept by those values' integer classes too (what Triton specializes an integer on: launch.int_class).
+
 A signature's plan is recorded at its second call (:data:`RECORD_AT`), not its first: calls whose
 shapes change at every step (a generation loop over a cache that grows by one row, as transformers'
 DynamicCache does) never replay, and recording them cost about a third of their host time and
@@ -49,6 +56,7 @@ _plans: dict = {}
 _links: dict = {}  # an entry point's key of a call -> (the plan its launcher keeps for it, extra)
 _MAX_PLANS = 4096
 _seen: dict = {}  # keys of signatures called once, not recorded yet (RECORD_AT = 2)
+_seen_links: dict = {}  # entry keys seen once whose plan takes values (link_values)
 _MAX_SEEN = 1024
 # the call of a signature that records its plan: 2, the second (1: the first, as before the fortieth
 # session; tests that need a plan from one call set it)
@@ -65,18 +73,19 @@ def clear() -> None:
     _plans.clear()
     _links.clear()
     _seen.clear()
+    _seen_links.clear()
 
 
-def _record_now(key) -> bool:
+def _record_now(key, seen: dict = _seen) -> bool:
     """Whether this call of ``key``'s signature records its plan (:data:`RECORD_AT`): with 2, not
-    the first call, whose key is kept in ``_seen`` (bounded: cleared when full) for the second."""
+    the first call, whose key is kept in ``seen`` (bounded: cleared when full) for the second."""
     if key is None:
         return False
-    if RECORD_AT <= 1 or _seen.pop(key, False):
+    if RECORD_AT <= 1 or seen.pop(key, False):
         return True
-    if len(_seen) >= _MAX_SEEN:
-        _seen.clear()
-    _seen[key] = True
+    if len(seen) >= _MAX_SEEN:
+        seen.clear()
+    seen[key] = True
     return False
 
 
@@ -88,6 +97,10 @@ def link(entry_key, key, extra=None) -> None:
     checks."""
     p = _plans.get(key)
     if p is not None:
+        # a plan that takes values (keyed without the lengths) serves calls of many entry keys: a
+        # growing cache's calls, each key seen once, link nothing (as a signature seen once records nothing)
+        if p.n_values and entry_key not in _links and not _record_now(entry_key, _seen_links):
+            return
         if len(_links) >= _MAX_PLANS:
             _links.clear()
         _links[entry_key] = (p, extra)
@@ -99,14 +112,15 @@ def linked(entry_key) -> tuple | None:
     return _links.get(entry_key) if _replayable() else None
 
 
-def replay(key, inputs: tuple, device) -> tuple | None:
-    """The outputs of the plan kept for ``key`` replayed on ``inputs``, or None (no plan, the inputs
-    do not share the tensors the recorded call shared, a config is forced or autotuning is on):
-    the launcher then takes its full path through a :class:`Builder`."""
+def replay(key, inputs: tuple, device, values: tuple = ()) -> tuple | None:
+    """The outputs of the plan kept for ``key`` replayed on ``inputs`` (and ``values``, the integers
+    the plan takes at replay), or None (no plan, the inputs do not share the tensors the recorded
+    call shared, a config is forced or autotuning is on): the launcher then takes its full path
+    through a :class:`Builder`."""
     p = _plans.get(key)
     if p is None or not _replayable():
         return None
-    return p.run(inputs, device)
+    return p.run(inputs, device, values)
 
 
 def _replayable() -> bool:
@@ -114,29 +128,33 @@ def _replayable() -> bool:
 
 
 class Plan:
-    __slots__ = ("aliases", "allocs", "zeros", "launches", "outputs", "compiled", "used")
+    __slots__ = ("aliases", "allocs", "zeros", "launches", "outputs", "compiled", "used", "n_values")
 
-    def __init__(self, aliases, allocs, zeros, launches, outputs, n_inputs: int):
+    def __init__(self, aliases, allocs, zeros, launches, outputs, n_inputs: int, n_values: int = 0):
         self.aliases, self.allocs, self.zeros, self.outputs = aliases, allocs, zeros, outputs
-        n_bufs = n_inputs + len(allocs)
-        # each launch's arguments in one C call: an itemgetter over the call's buffers followed by
-        # the launch's constant arguments (a slot's buffer where the recorded call had a tensor)
+        self.n_values = n_values
+        n_pool = n_inputs + len(allocs) + n_values
+        # each launch's arguments in one C call: an itemgetter over the call's buffers, then its
+        # values, then the launch's constant arguments (a slot's buffer where the recorded call had
+        # a tensor, a value's index where it had a value)
         self.launches = []
         used = set()
-        for fn, grid, consts, slots, kwargs in launches:
-            where = [n_bufs + i for i in range(len(consts))]
+        for fn, grid, consts, slots, kwargs, value_slots in launches:
+            where = [n_pool + i for i in range(len(consts))]
             for i, s in slots:
                 where[i] = s
                 used.add(s)
+            for i, j in value_slots:
+                where[i] = n_pool - n_values + j
             self.launches.append((fn, grid, list(consts), _getter(where), kwargs))
         self.used = tuple(sorted(used))  # the buffers the launches take (tensors at every replay)
         # on a GPU: the compiled kernel of each launch, by the 16-byte alignment of the tensors (the
         # one thing about them that can change the kernel and is not in the plan's key)
         self.compiled: dict = {}
 
-    def run(self, inputs: tuple, device) -> tuple | None:
+    def run(self, inputs: tuple, device, values: tuple = ()) -> tuple | None:
         """The outputs of the replayed call, or None (nothing done) when ``inputs`` do not share
-        the tensors the recorded call shared."""
+        the tensors the recorded call shared. ``values``: the plan's :attr:`n_values` integers."""
         for i, j in self.aliases:
             if inputs[i] is not inputs[j]:
                 return None
@@ -145,6 +163,8 @@ class Plan:
             bufs.append(factory(shape, dtype=dtype, device=device))
         for s in self.zeros:
             bufs[s].zero_()
+        if values:
+            bufs += values
         if device.type != "cuda":  # the interpreter
             for fn, grid, consts, getter, kwargs in self.launches:
                 _launch.launch(fn, grid, getter(bufs + consts), kwargs)
@@ -153,6 +173,8 @@ class Plan:
             for s in self.used:
                 ptrs[s] = bufs[s].data_ptr()
             aligned = tuple([ptrs[s] % 16 == 0 for s in self.used])
+            if values:  # (the compiled kernel follows the values' integer classes too)
+                aligned += _launch._args_key(values)
             entries = self.compiled.get(aligned)
             if entries is None:
                 launches = [(fn, grid, getter(bufs + consts), kwargs)
@@ -186,8 +208,9 @@ def _getter(where: list):
 class Builder:
     """Runs a launcher's allocations and launches, and records them as a plan."""
 
-    def __init__(self, key, inputs: tuple):
+    def __init__(self, key, inputs: tuple, n_values: int = 0):
         self.key = key
+        self.n_values = n_values
         self.ok = _replayable() and _record_now(key)
         self.slot: dict[int, int] = {}
         self.aliases: list = []
@@ -241,11 +264,15 @@ class Builder:
             del self.launches[mark:]
             raise
 
-    def launch(self, fn, grid, args: tuple, kwargs: dict) -> None:
+    def launch(self, fn, grid, args: tuple, kwargs: dict, values: tuple = ()) -> None:
+        """Launch, and record the launch. ``values``: ``(position, index)`` pairs, the arguments at
+        those positions are the plan's value ``index`` (given again at each replay, :meth:`Plan.run`)."""
         _launch.launch(fn, grid, args, kwargs)  # raises (e.g. out of shared memory) before recording
         if not self.ok:
             return
         consts, slots = list(args), []
+        for i, _ in values:
+            consts[i] = None
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 s = self.slot.get(id(a))
@@ -254,7 +281,7 @@ class Builder:
                     return
                 slots.append((i, s))
                 consts[i] = None
-        self.launches.append((fn, tuple(grid), tuple(consts), tuple(slots), dict(kwargs)))
+        self.launches.append((fn, tuple(grid), tuple(consts), tuple(slots), dict(kwargs), tuple(values)))
 
     def finish(self, outputs: tuple) -> tuple:
         """Keep the plan (when replayable) and return ``outputs``."""
@@ -264,5 +291,5 @@ class Builder:
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
                 _plans[self.key] = Plan(tuple(self.aliases), tuple(self.allocs), tuple(self.zeros),
-                                       tuple(self.launches), slots, self.n_inputs)
+                                       tuple(self.launches), slots, self.n_inputs, self.n_values)
         return outputs
