@@ -148,7 +148,7 @@ def main() -> int:
     # their addresses (plan.POINTERS)
     tensors_passed = swapped(plan, "POINTERS", False)
     # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
-    plans_off = swapped(plan, "replay", lambda key, inputs, device: None)
+    plans_off = swapped(plan, "replay", lambda key, inputs, device, values=(): None)
     # a replayed call's cached launches do nothing: what is left is its Python and allocations
     launch_stubbed = swapped(launch, "run_cached", lambda entry, grid, args, index=None: None)
 

@@ -42,18 +42,20 @@ def _tensor_on(index):
 @pytest.mark.parametrize("entry", ["launch", "run_cached"])
 def test_launch_runs_on_the_tensors_device(monkeypatch, current, target, entry):
     fake = _FakeCuda(current)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", fake.get, raising=False)  # absent from CPU builds
-    monkeypatch.setattr(torch.cuda, "device", fake.device)
     seen = []
-    monkeypatch.setattr(launch, "_launch_here", lambda fn, grid, args, kwargs: seen.append(fake.current))
-    monkeypatch.setattr(launch, "_run_here", lambda e, grid, args, index: seen.append((fake.current, index)))
-    args = (_tensor_on(target), 3)
-    if entry == "launch":
-        launch.launch(None, (1,), args, {})
-        assert seen == [target]
-    else:
-        launch.run_cached(None, (1,), args)
-        assert seen == [(target, target)]
+    # (the fakes undone at the test's end, before other fixtures' teardown calls into torch.cuda:
+    # conftest's memory release on a GPU met the fake torch.cuda.device)
+    with monkeypatch.context() as m:
+        m.setattr(torch._C, "_cuda_getDevice", fake.get, raising=False)  # absent from CPU builds
+        m.setattr(torch.cuda, "device", fake.device)
+        m.setattr(launch, "_launch_here", lambda fn, grid, args, kwargs: seen.append(fake.current))
+        m.setattr(launch, "_run_here", lambda e, grid, args, index: seen.append((fake.current, index)))
+        args = (_tensor_on(target), 3)
+        if entry == "launch":
+            launch.launch(None, (1,), args, {})
+        else:
+            launch.run_cached(None, (1,), args)
+    assert seen == ([target] if entry == "launch" else [(target, target)])
     # a context only when the tensors' device is not the current one, and the current one restored
     assert fake.entered == ([] if current == target else [target])
     assert fake.current == current

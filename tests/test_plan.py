@@ -510,16 +510,19 @@ def test_plan_with_values_linked_per_shape(monkeypatch):
     """The dense decoding route's plan (keyed without the cache's length) linked to the entry keys of
     two fixed shapes, called in turn: each linked replay takes its own shape's values (cache length,
     strides, split length), bitwise the full path's result; a third shape seen once links nothing."""
+    from tritonattn.kernels import decode
+
     monkeypatch.setattr(plan, "RECORD_AT", 2)
     monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)  # two splits: split_len a value too
     gen = torch.Generator().manual_seed(7)
     q = _randn(gen, 2, 1, 4, 32)
     kc, vc = _randn(gen, 2, 2, 700, 32), _randn(gen, 2, 2, 700, 32)
-    shapes = (300, 611)  # split lengths 160 / 320 (tile 32 under the interpreter)
+    shapes = (300, 500)  # two splits each, here and on a GPU; split lengths 160 / 256 under the interpreter
 
     def call(n):
         return flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2), causal=True)
 
+    assert len({decode._splits(q, kc.transpose(1, 2), Variants(0.0), n, 0)[0] for n in (*shapes, 450)}) == 1
     plan.clear()
     outs = {n: [] for n in shapes}
     for _ in range(4):
