@@ -168,14 +168,14 @@ def test_forced_config_is_not_replayed_over():
 
 def test_signature_covers_every_field():
     """Changing any field of Variants changes its signature or its tensors (a plan key that missed a
-    field would replay one variant's launches for another); fast_key alone is not an option."""
+    field would replay one variant's launches for another); fast_key and free_key alone are not options."""
     base = Variants(softmax_scale=0.5)
     t = torch.zeros(3, dtype=torch.int32)
     other = {"softmax_scale": 0.25, "win_left": 4, "win_right": 0, "softcap": 3.0, "mask_kind": 1,
              "dropout_p": 0.1, "deterministic": True, "max_seqlen_q": 7, "max_seqlen_k": 9, "page_size": 16,
              "kv_page_strides": (1, 2), "need_lse": False}
     for f in dataclasses.fields(Variants):
-        if f.name == "fast_key":  # (not an option: the entry point's key that the launcher links to its plan)
+        if f.name in ("fast_key", "free_key"):  # (not options: an entry point's keys that the launcher links)
             continue
         changed = dataclasses.replace(base, **{f.name: other.get(f.name, t)})
         assert (changed.signature() != base.signature()
@@ -471,7 +471,7 @@ def test_plan_recorded_at_the_second_call(monkeypatch):
 @pytest.mark.parametrize("dense_decode", [True, False], ids=["decoding-kernel", "forward-kernel"])
 def test_growing_shapes_keep_no_plans(dense_decode, splits, monkeypatch):
     """A generation loop's calls over a cache one row longer each step (every signature new) record
-    no plan of their shape and link nothing, keeping a bounded set of seen keys. On the forward
+    no plan of their shape and link no shape, keeping a bounded set of seen keys. On the forward
     kernel no plan at all; on the decoding kernel (configs.dense_decode) one plan keyed without the
     cache's length (its length, k / v strides and split length are the plan's values), recorded at
     the second call and replayed from the third. Each result is bitwise the launcher's full path."""
@@ -491,14 +491,16 @@ def test_growing_shapes_keep_no_plans(dense_decode, splits, monkeypatch):
     for n in lengths:
         hits.append(plan.hits)
         outs.append(flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)))
-        assert not plan._links and len(plan._seen) <= 8 and len(plan._seen_links) <= 8
+        # no link of an exact shape; on the decoding kernel the length-free key's (decode.free_key)
+        assert all(type(key[0]) is tuple for key in plan._links) and len(plan._links) <= dense_decode
+        assert len(plan._seen) <= 8 and len(plan._seen_links) <= 8
         kinds = [key[0] for key in plan._plans]
         assert kinds == (["decode-dense"] if dense_decode and n > lengths[0] else []), kinds
     if dense_decode:  # replayed from the third call, with the split count asked for
         assert hits[2] == hits[1] == hits[0] and hits[-1] == hits[2] + len(lengths) - 3, hits
         (key,) = plan._plans
         assert key[-2] == splits, key
-        assert decode._splits(q, kc.transpose(1, 2), Variants(0.0), 300, 0)[0] == splits
+        assert decode._splits(q, kc.transpose(1, 2), 300, 0, False)[0] == splits
     # the launcher's full path, every call
     monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
     monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
@@ -522,24 +524,69 @@ def test_plan_with_values_linked_per_shape(monkeypatch):
     def call(n):
         return flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2), causal=True)
 
-    assert len({decode._splits(q, kc.transpose(1, 2), Variants(0.0), n, 0)[0] for n in (*shapes, 450)}) == 1
+    assert len({decode._splits(q, kc.transpose(1, 2), n, 0, False)[0] for n in (*shapes, 450)}) == 1
     plan.clear()
     outs = {n: [] for n in shapes}
     for _ in range(4):
         for n in shapes:
             outs[n].append(call(n))
-    assert len(plan._links) == 2 and len(plan._plans) == 1, (list(plan._links), list(plan._plans))
+    exact = [key for key in plan._links if key[0] == "dense"]  # (the other: the length-free key's link)
+    assert len(exact) == 2 and len(plan._links) == 3 and len(plan._plans) == 1, (list(plan._links), list(plan._plans))
     hits = plan.hits
     for n in shapes:
         outs[n].append(call(n))
     assert plan.hits == hits + 2
     call(450)
-    assert len(plan._links) == 2
+    assert len(plan._links) == 3
     monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
     monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
     for n in shapes:
         full = call(n)
         assert all(torch.equal(full, out) for out in outs[n]), n
+
+
+def test_growing_cache_takes_the_length_free_link(monkeypatch):
+    """flash_attn_func over a cache one row longer each call (the decoding kernel's route): from the
+    length-free plan's link on, calls skip the checks and the launchers (decode.free_key /
+    replay_free), each with its own length, strides and split length; where the length changes the
+    split count (2, 3, 4 here) one call takes the full path and the link follows the new plan. Every
+    result is bitwise the full path's. k / v of different lengths, or q of another head dim, still
+    get the checks' errors."""
+    from tritonattn import interface
+
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)
+    checked = []
+    real = interface._validated
+    monkeypatch.setattr(interface, "_validated", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(8)
+    q = _randn(gen, 1, 1, 4, 32)  # one kv head: 2 / 3 / 4 splits for 257-512 / 513-768 / 769- keys
+    kc, vc = _randn(gen, 1, 1, 1000, 32), _randn(gen, 1, 1, 1000, 32)
+
+    def call(n, m=None):
+        return flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :(m or n)].transpose(1, 2), causal=True)
+
+    plan.clear()
+    lengths = list(range(300, 901, 4))
+    outs, checks = [], []
+    for n in lengths:
+        checks.append(len(checked))
+        outs.append(call(n))
+    per_call = [b - a for a, b in zip(checks, checks[1:] + [len(checked)])]
+    # each split count: its first calls take the checks (the plan recorded at its second, linked at its
+    # third), then none; never more than four full-path calls per split count
+    assert sum(per_call) <= 12, per_call
+    for lo, hi in ((360, 512), (580, 768), (840, 900)):
+        assert not any(c for n, c in zip(lengths, per_call) if lo <= n <= hi), per_call
+    assert sorted(key[-2] for key in plan._plans) == [2, 3, 4], list(plan._plans)
+    with pytest.raises(ValueError, match="same"):
+        call(700, 701)
+    with pytest.raises(ValueError):
+        flash_attn_func(q[..., :16], kc[:, :, :700].transpose(1, 2), vc[:, :, :700].transpose(1, 2), causal=True)
+    monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
+    for n, out in zip(lengths, outs):
+        assert torch.equal(out, call(n)), n
 
 
 def test_training_plans_recorded_at_the_second_call(monkeypatch):

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.configs import env_flag, interpreting
+from tritonattn.kernels.decode import free_key as _decode_free_key
+from tritonattn.kernels.decode import replay_free as _replay_free
 from tritonattn.kernels.fwd import attention_forward, plan_flags, replay_linked
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
 from tritonattn.ops import FlashAttnFunction, apply_compiled, apply_compiled_packed
@@ -378,15 +380,22 @@ def flash_attn_func(
     """
     fast = None if return_attn_probs else _options_fast_key("dense", q, k, v, dropout_p, softmax_scale, causal,
                                                               window_size, softcap, alibi_slopes, (deterministic,))
+    free = None
     if fast is not None:  # an inference call with the key of an earlier one: its launch plan, replayed
         res = replay_linked(fast, q, k, v)
         if res is not None:
             return res[0]
+        # a decoding step over a cache whose length changes every call: the length-free plan
+        free = _decode_free_key(fast, q, k, v)
+        if free is not None:
+            res = _replay_free(fast, free, q, k, v)
+            if res is not None:
+                return res[0]
     key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                        seq_free=True)
     var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
-    var.fast_key = fast  # (the launcher links it to its plan)
+    var.fast_key, var.free_key = fast, free  # (the launcher links them to its plan)
     out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v), keep_lse=return_attn_probs)
     return _finish(out, lse, probs, return_attn_probs)
 

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from tritonattn import configs
 from tritonattn.kernels import kept, plan
 from tritonattn.kernels.common import LN2, LOG2E, mma, program_order, scores_log2
-from tritonattn.kernels.fwd import _discarded, _hopper, _kv_rows
+from tritonattn.kernels.fwd import _NO_TENSOR_OPTIONS, _discarded, _hopper, _kv_rows
 from tritonattn.kernels.launch import cdiv, next_pow2, program_grid, sm_count
 from tritonattn.kernels.variants import Variants
 
@@ -388,7 +388,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     split length are the plan's values (plan.py), so a generation loop over a cache one row longer
     at every call (transformers' DynamicCache) replays one plan per split count."""
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
-    splits, split_len = _splits(q, k, var, capacity, num_splits)
+    splits, split_len = _splits(q, k, capacity, num_splits, var.block_table is not None)
     if var.kv_lens is None and var.block_table is None and new is None:  # every row's keys: the whole cache
         values = (*k.stride(), *v.stride(), split_len, capacity)
         key = ("decode-dense", q.shape, q.stride(), k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], q.dtype,
@@ -403,10 +403,52 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         res = _record(key, inputs, q, k, v, var, capacity, splits, split_len, new, values)
     if var.fast_key is not None:  # (no tensor descriptors here: Triton's allocator is not needed)
         plan.link(var.fast_key, key, (False, None, values))
+        if values and var.free_key is not None:  # (with the split count: replay_free checks it)
+            plan.link(var.free_key, key, (False, None, splits))
     return res
 
 
-def _splits(q, k, var: Variants, capacity: int, num_splits: int) -> tuple[int, int]:
+def free_key(fast: tuple, q, k, v) -> tuple | None:
+    """The key of a dense call (an entry point's ``fast`` key, interface._fast_key) without its k / v
+    length and strides, when the call takes the decoding kernel (configs.dense_decode), else None.
+    A generation loop over a growing cache (transformers' DynamicCache: one row more each call,
+    never a key seen before) reaches the length-free plan through it (:func:`replay_free`), not
+    through the checks and the launchers. It holds what the entry point's remembered checks are a
+    function of (interface._signature's seq_free: the shapes less dim 1, k and v of one length) and
+    all of the plan's key but the split count (a function of the length: checked at the replay)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    Sq, Hq = q.shape[1], q.shape[2]
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if Sk != v.shape[1] or not Hkv or not configs.dense_decode(Sq, Sk, Hq, Hkv):
+        return None
+    # _fast_key's layout: tag, q's shape / strides / dtype / device, k's shape, strides, dtype, device,
+    # v's, then the mask, options and alignment flags and the launchers' switches
+    return fast[:5], k.shape[0], k.shape[2:], fast[7:9], v.shape[0], v.shape[2:], fast[11:]
+
+
+def replay_free(fast: tuple, free: tuple, q, k, v) -> tuple | None:
+    """``(out, lse)`` of a dense call through the plan linked to its :func:`free_key`, with this
+    call's values (k's and v's strides, the split length, the cache's length), or None: no link, or
+    the linked plan's split count is not this length's (the call takes the full path and links it).
+    The call's own key ``fast`` is linked to the plan with these values at its second call (a shape
+    called again and again then takes the shorter way, fwd.replay_linked)."""
+    entry = plan.linked(free)
+    if entry is None:
+        return None
+    p, (_, _, splits) = entry
+    capacity = k.shape[1]
+    got, split_len = _splits(q, k, capacity, 0, False)
+    if got != splits:
+        return None
+    values = (*k.stride(), *v.stride(), split_len, capacity)
+    res = p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device, values)
+    if res is not None:
+        plan.link_plan(fast, p, (False, None, values))
+    return res
+
+
+def _splits(q, k, capacity: int, num_splits: int, paged: bool) -> tuple[int, int]:
     """``(splits, split_len)``: how many key splits a call takes (``num_splits``, capped at
     MAX_SPLITS, or the heuristic's for 0) and the keys of each, a multiple of the tile's BLOCK_N."""
     B, _, Hq, _ = q.shape
@@ -414,7 +456,7 @@ def _splits(q, k, var: Variants, capacity: int, num_splits: int) -> tuple[int, i
     if num_splits > 0:
         splits = min(num_splits, MAX_SPLITS)
     else:
-        splits = pick_num_splits(B, Hkv, capacity, q.device, var.block_table is not None)
+        splits = pick_num_splits(B, Hkv, capacity, q.device, paged)
     block_n = configs.decode_config(q).block_n
     split_len = cdiv(cdiv(capacity, splits), block_n) * block_n
     return cdiv(capacity, split_len), split_len

@@ -97,13 +97,18 @@ def link(entry_key, key, extra=None) -> None:
     checks."""
     p = _plans.get(key)
     if p is not None:
-        # a plan that takes values (keyed without the lengths) serves calls of many entry keys: a
-        # growing cache's calls, each key seen once, link nothing (as a signature seen once records nothing)
-        if p.n_values and entry_key not in _links and not _record_now(entry_key, _seen_links):
-            return
-        if len(_links) >= _MAX_PLANS:
-            _links.clear()
-        _links[entry_key] = (p, extra)
+        link_plan(entry_key, p, extra)
+
+
+def link_plan(entry_key, p: Plan, extra=None) -> None:
+    """:func:`link` to the plan ``p`` itself."""
+    # a plan that takes values (keyed without the lengths) serves calls of many entry keys: a growing
+    # cache's calls, each key seen once, link nothing (as a signature seen once records nothing)
+    if p.n_values and entry_key not in _links and not _record_now(entry_key, _seen_links):
+        return
+    if len(_links) >= _MAX_PLANS:
+        _links.clear()
+    _links[entry_key] = (p, extra)
 
 
 def linked(entry_key) -> tuple | None:

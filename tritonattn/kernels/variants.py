@@ -49,6 +49,9 @@ class Variants:
     # an entry point's key of this call (interface._fast_key): the launcher links it to its launch
     # plan (plan.link), so that the next call with that key skips the checks and the launcher
     fast_key: tuple | None = None
+    # the same call's key without its k / v length (kernels/decode.py free_key: a dense call that takes
+    # the decoding kernel), linked to the length-free plan
+    free_key: tuple | None = None
 
     def tensors(self) -> tuple:
         """The tensor fields, in a fixed order (None where unset): the slots of a launch plan."""
