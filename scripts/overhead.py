@@ -147,8 +147,15 @@ def main() -> int:
     # as before the thirty-third session: a replay passes the tensors to Triton's launcher, not
     # their addresses (plan.POINTERS)
     tensors_passed = swapped(plan, "POINTERS", False)
-    # every call takes the launchers' full path, as before the launch plans (kernels/plan.py)
-    plans_off = swapped(plan, "replay", lambda key, inputs, device, values=(): None)
+    # every call takes the launchers' full path, as before the launch plans (kernels/plan.py): no
+    # replay by the launchers' keys, nor by the entry points' links (which also replay)
+    replay_off = swapped(plan, "replay", lambda key, inputs, device, values=(): None)
+    links_off = swapped(plan, "linked", lambda entry_key: None)
+
+    @contextlib.contextmanager
+    def plans_off():
+        with replay_off(), links_off():
+            yield
     # a replayed call's cached launches do nothing: what is left is its Python and allocations
     launch_stubbed = swapped(launch, "run_cached", lambda entry, grid, args, index=None: None)
 

@@ -491,8 +491,9 @@ def test_growing_shapes_keep_no_plans(dense_decode, splits, monkeypatch):
     for n in lengths:
         hits.append(plan.hits)
         outs.append(flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2)))
-        # no link of an exact shape; on the decoding kernel the length-free key's (decode.free_key)
-        assert all(type(key[0]) is tuple for key in plan._links) and len(plan._links) <= dense_decode
+        # no link of an exact shape; on the decoding kernel the length-free key's (decode.free_key) and
+        # that key's with the split count
+        assert all(type(key[0]) is tuple for key in plan._links) and len(plan._links) <= 2 * dense_decode
         assert len(plan._seen) <= 8 and len(plan._seen_links) <= 8
         kinds = [key[0] for key in plan._plans]
         assert kinds == (["decode-dense"] if dense_decode and n > lengths[0] else []), kinds
@@ -530,14 +531,14 @@ def test_plan_with_values_linked_per_shape(monkeypatch):
     for _ in range(4):
         for n in shapes:
             outs[n].append(call(n))
-    exact = [key for key in plan._links if key[0] == "dense"]  # (the other: the length-free key's link)
-    assert len(exact) == 2 and len(plan._links) == 3 and len(plan._plans) == 1, (list(plan._links), list(plan._plans))
+    exact = [key for key in plan._links if key[0] == "dense"]  # (the others: the length-free key's links)
+    assert len(exact) == 2 and len(plan._links) == 4 and len(plan._plans) == 1, (list(plan._links), list(plan._plans))
     hits = plan.hits
     for n in shapes:
         outs[n].append(call(n))
     assert plan.hits == hits + 2
     call(450)
-    assert len(plan._links) == 3
+    assert len(plan._links) == 4
     monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
     monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
     for n in shapes:
@@ -587,6 +588,45 @@ def test_growing_cache_takes_the_length_free_link(monkeypatch):
     monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
     for n, out in zip(lengths, outs):
         assert torch.equal(out, call(n)), n
+
+
+def test_length_free_links_of_interleaved_caches_and_many_layers(monkeypatch):
+    """Two generation loops interleaved whose caches take different split counts (1 and 2 here) each
+    keep their length-free link (one per split count); and a loop over many layers, which links each
+    step's exact shape from its second layer on, keeps them through a full link store (the oldest
+    link goes, the ones in use are kept recent). After the first steps no call takes the checks;
+    every result is bitwise the full path's."""
+    from tritonattn import interface
+
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    monkeypatch.setattr(plan, "_MAX_PLANS", 6)
+    monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 400)  # up to 400 keys: one split
+    checked = []
+    real = interface._validated
+    monkeypatch.setattr(interface, "_validated", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    q = _randn(gen, 1, 1, 4, 32)
+    caches = [(_randn(gen, 1, 2, 700, 32), _randn(gen, 1, 2, 700, 32)) for _ in range(3)]  # three layers
+
+    def call(layer, n):
+        kc, vc = caches[layer]
+        return flash_attn_func(q, kc[:, :, :n].transpose(1, 2), vc[:, :, :n].transpose(1, 2))
+
+    plan.clear()
+    outs, per_step = [], []
+    for step in range(12):  # sequence a from 300 (one split), sequence b from 600 (two), three layers each
+        before = len(checked)
+        for start in (300, 600):
+            for layer in range(3):
+                outs.append(((layer, start + step), call(layer, start + step)))
+        per_step.append(len(checked) - before)
+        assert len(plan._links) <= 6
+    assert sum(per_step[4:]) == 0, per_step
+    assert sorted(key[-2] for key in plan._plans) == [1, 2], list(plan._plans)
+    monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
+    for (layer, n), out in outs:
+        assert torch.equal(out, call(layer, n)), (layer, n)
 
 
 def test_training_plans_recorded_at_the_second_call(monkeypatch):

@@ -403,8 +403,10 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
         res = _record(key, inputs, q, k, v, var, capacity, splits, split_len, new, values)
     if var.fast_key is not None:  # (no tensor descriptors here: Triton's allocator is not needed)
         plan.link(var.fast_key, key, (False, None, values))
-        if values and var.free_key is not None:  # (with the split count: replay_free checks it)
-            plan.link(var.free_key, key, (False, None, splits))
+        if values and var.free_key is not None:
+            # the length-free key (its checks passed) and, with the split count, its plan (replay_free)
+            plan.link(var.free_key, key)
+            plan.link((var.free_key, splits), key)
     return res
 
 
@@ -415,7 +417,8 @@ def free_key(fast: tuple, q, k, v) -> tuple | None:
     never a key seen before) reaches the length-free plan through it (:func:`replay_free`), not
     through the checks and the launchers. It holds what the entry point's remembered checks are a
     function of (interface._signature's seq_free: the shapes less dim 1, k and v of one length) and
-    all of the plan's key but the split count (a function of the length: checked at the replay)."""
+    all of the plan's key but the split count (a function of the length: a plan is linked per split
+    count, under ``(free key, splits)``)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
     Sq, Hq = q.shape[1], q.shape[2]
@@ -428,22 +431,26 @@ def free_key(fast: tuple, q, k, v) -> tuple | None:
 
 
 def replay_free(fast: tuple, free: tuple, q, k, v) -> tuple | None:
-    """``(out, lse)`` of a dense call through the plan linked to its :func:`free_key`, with this
-    call's values (k's and v's strides, the split length, the cache's length), or None: no link, or
-    the linked plan's split count is not this length's (the call takes the full path and links it).
-    The call's own key ``fast`` is linked to the plan with these values at its second call (a shape
-    called again and again then takes the shorter way, fwd.replay_linked)."""
-    entry = plan.linked(free)
+    """``(out, lse)`` of a dense call through the plan linked to its :func:`free_key` and this
+    length's split count, with this call's values (k's and v's strides, the split length, the
+    cache's length), or None: no link (the call takes the full path, which links it). The split
+    count is computed only once the free key is linked (a call with it passed the checks: its
+    shapes are valid). The call's own key ``fast`` is linked to the plan with these values at its
+    second call (a shape called again and again then takes the shorter way, fwd.replay_linked)."""
+    if plan.linked(free) is None:
+        return None
+    capacity = k.shape[1]
+    splits, split_len = _splits(q, k, capacity, 0, False)
+    part = (free, splits)
+    entry = plan.linked(part)
     if entry is None:
         return None
-    p, (_, _, splits) = entry
-    capacity = k.shape[1]
-    got, split_len = _splits(q, k, capacity, 0, False)
-    if got != splits:
-        return None
+    p = entry[0]
     values = (*k.stride(), *v.stride(), split_len, capacity)
     res = p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device, values)
     if res is not None:
+        plan.refresh(free)
+        plan.refresh(part)
         plan.link_plan(fast, p, (False, None, values))
     return res
 

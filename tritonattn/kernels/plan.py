@@ -106,9 +106,18 @@ def link_plan(entry_key, p: Plan, extra=None) -> None:
     # cache's calls, each key seen once, link nothing (as a signature seen once records nothing)
     if p.n_values and entry_key not in _links and not _record_now(entry_key, _seen_links):
         return
-    if len(_links) >= _MAX_PLANS:
-        _links.clear()
+    if len(_links) >= _MAX_PLANS:  # the oldest link goes (a link in use is kept recent: refresh)
+        del _links[next(iter(_links))]
     _links[entry_key] = (p, extra)
+
+
+def refresh(entry_key) -> None:
+    """Make ``entry_key``'s link the most recent (the last that :func:`link_plan` drops when the
+    store is full): for links that serve every call of a loop that links a new key at each call
+    (a many-layer generation loop over a growing cache links each step's shape from its second layer)."""
+    entry = _links.pop(entry_key, None)
+    if entry is not None:
+        _links[entry_key] = entry
 
 
 def linked(entry_key) -> tuple | None:
