@@ -307,3 +307,51 @@ def test_masked_inference_calls_replay_through_the_linked_plan(monkeypatch):
     assert len(plan._links) == links
     check_close("bias", out.cpu(), TORCH_SDPA(*[t.cpu().double() for t in ins], attn_mask=bias.cpu().double()),
                 TORCH_SDPA(*[t.cpu() for t in ins], attn_mask=bias.cpu()), k=2)
+
+
+def test_growing_cache_takes_the_length_free_link(monkeypatch):
+    """The drop-in's decoding step over a cache one row longer each call (no mask, is_causal False,
+    as transformers' sdpa path calls it): from the length-free plan's link on (decode.free_key), no
+    check runs; every result is bitwise the full path's and within the tolerance of torch's SDPA.
+    is_causal=True (a top-left window that follows the lengths) and a mask take the full path."""
+    from tritonattn import configs
+    from tritonattn.integrations import sdpa
+    from tritonattn.kernels import plan
+
+    monkeypatch.setattr(plan, "RECORD_AT", 2)
+    monkeypatch.setattr(configs, "DECODE_ONE_SPLIT_KEYS", 0)
+    checked = []
+    real = sdpa._fallback_reason
+    monkeypatch.setattr(sdpa, "_fallback_reason", lambda *a: checked.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 32, generator=gen).to(DEVICE, F16)
+    kc, vc = (torch.randn(2, 2, 700, 32, generator=gen).to(DEVICE, F16) for _ in range(2))
+    lengths = range(300, 340)
+
+    def call(n, **kw):
+        return scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], enable_gqa=True, **kw)
+
+    plan.clear()
+    outs, per_call = [], []
+    for n in lengths:
+        before = len(checked)
+        outs.append(call(n))
+        per_call.append(len(checked) - before)
+    assert sum(per_call[4:]) == 0 and sum(per_call) <= 4, per_call
+    # is_causal: a length called again and again (its plan and links made), then others
+    causal_lengths = (400, 400, 400, 400, 401, 402)
+    causal = [call(n, is_causal=True) for n in causal_lengths]
+    before = len(checked)
+    mask = torch.ones(1, 500, dtype=torch.bool, device=DEVICE)
+    masked = [call(500, attn_mask=mask), call(501, attn_mask=torch.ones(1, 501, dtype=torch.bool, device=DEVICE))]
+    assert len(checked) - before == 2  # each a new signature, checked
+    for n, out in zip(causal_lengths, causal):
+        want = TORCH_SDPA(q.double(), kc[:, :, :n].double(), vc[:, :, :n].double(), is_causal=True, enable_gqa=True)
+        assert (out.double() - want).abs().max() < 2e-3
+    monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
+    for n, out in zip(lengths, outs):
+        assert torch.equal(out, call(n)), n
+    assert torch.equal(masked[0], call(500, attn_mask=mask))
+    want = TORCH_SDPA(q.double(), kc[:, :, :339].double(), vc[:, :, :339].double(), enable_gqa=True)
+    assert (outs[-1].double() - want).abs().max() < 2e-3

@@ -63,15 +63,24 @@ def scaled_dot_product_attention(
     """PyTorch's ``scaled_dot_product_attention`` computed by tritonattn's kernels (see the module doc)."""
     import tritonattn.interface as ti  # (deferred: it imports Triton; one import statement, not eight names)
 
-    fast = None
+    fast = free = None
     # an inference call (no mask, or a bool one) with the key of an earlier one: its launch plan, replayed
     if not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
         fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa), attn_mask)
         if fast is not None:
-            res = ti.replay_linked(fast, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                   attn_mask)
+            qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            res = ti.replay_linked(fast, qt, kt, vt, attn_mask)
             if res is not None:
                 return res[0].transpose(1, 2)
+            # a decoding step over a cache whose length changes every call (no mask; not is_causal,
+            # whose top-left window is a function of the lengths): the length-free plan, as
+            # flash_attn_func's (the checks below read no length but key's and value's agreement)
+            if attn_mask is None and not is_causal:
+                free = ti._decode_free_key(fast, qt, kt, vt)
+                if free is not None:
+                    res = ti._replay_free(fast, free, qt, kt, vt)
+                    if res is not None:
+                        return res[0].transpose(1, 2)
     sig = None
     if not torch.compiler.is_compiling():
         sig = ti._signature((query, key, value, attn_mask), (dropout_p, is_causal, scale, enable_gqa))
@@ -124,7 +133,7 @@ def scaled_dot_product_attention(
             ti._remember(sig, var, _VALIDATED)
     else:
         ti._lay_out_mask(q, k, mask, None, var)
-    var.fast_key = fast  # (the launcher links it to its plan)
+    var.fast_key, var.free_key = fast, free  # (the launcher links them to its plan)
     out, _, _ = ti._apply("none", var, False, (q, k, v), bias, keep_lse=False)
     out = out.transpose(1, 2)
     return out if four else out.reshape(*lead, Hq, Sq, D)
