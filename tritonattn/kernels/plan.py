@@ -56,7 +56,7 @@ _plans: dict = {}
 _links: dict = {}  # an entry point's key of a call -> (the plan its launcher keeps for it, extra)
 _MAX_PLANS = 4096
 _seen: dict = {}  # keys of signatures called once, not recorded yet (RECORD_AT = 2)
-_seen_links: dict = {}  # entry keys seen once whose plan takes values (link_values)
+_seen_links: dict = {}  # entry keys seen once whose plan takes values (link_plan)
 _MAX_SEEN = 1024
 # the call of a signature that records its plan: 2, the second (1: the first, as before the fortieth
 # session; tests that need a plan from one call set it)
