@@ -525,8 +525,8 @@ def test_fused_dq_launches(monkeypatch, env):
             # semaphores that the plan allocates zeroed (torch.zeros, what a replay calls again), the
             # conversion reading the new buffer
             (recorded,) = plan._plans.values()
-            assert (torch.zeros, tuple(dqa.shape), torch.float32) in recorded.allocs, recorded.allocs
-            assert (torch.zeros, tuple(sem.shape), torch.int32) in recorded.allocs, recorded.allocs
+            assert (torch.zeros, tuple(dqa.shape), torch.float32, dqa.device) in recorded.allocs, recorded.allocs
+            assert (torch.zeros, tuple(sem.shape), torch.int32, sem.device) in recorded.allocs, recorded.allocs
             hits = plan.hits
             del seen[:]
             bwd.attention_backward(do, q, k, v, out, lse,

@@ -44,6 +44,7 @@ tables).
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from operator import itemgetter
 
@@ -142,11 +143,18 @@ def _replayable() -> bool:
 
 
 class Plan:
-    __slots__ = ("aliases", "allocs", "zeros", "launches", "outputs", "compiled", "used", "n_values")
+    __slots__ = ("aliases", "allocs", "zeros", "launches", "outputs", "compiled", "used", "n_values", "makers")
 
     def __init__(self, aliases, allocs, zeros, launches, outputs, n_inputs: int, n_values: int = 0):
         self.aliases, self.allocs, self.zeros, self.outputs = aliases, allocs, zeros, outputs
         self.n_values = n_values
+        # each buffer's allocation as one call with its arguments bound (the plan's key fixes the
+        # device): torch's factories take the sizes unpacked, which they parse faster than a tuple
+        # (2-core CPU: torch.empty 1.4 against 2.2 us)
+        self.makers = tuple(functools.partial(f, *shape, dtype=dtype, device=device)
+                            if f in (torch.empty, torch.zeros) and shape else
+                            functools.partial(f, shape, dtype=dtype, device=device)
+                            for f, shape, dtype, device in allocs)
         n_pool = n_inputs + len(allocs) + n_values
         # each launch's arguments in one C call: an itemgetter over the call's buffers, then its
         # values, then the launch's constant arguments (a slot's buffer where the recorded call had
@@ -173,8 +181,8 @@ class Plan:
             if inputs[i] is not inputs[j]:
                 return None
         bufs = list(inputs)
-        for factory, shape, dtype in self.allocs:
-            bufs.append(factory(shape, dtype=dtype, device=device))
+        for make in self.makers:
+            bufs.append(make())
         for s in self.zeros:
             bufs[s].zero_()
         if values:
@@ -263,7 +271,7 @@ class Builder:
         if not self.ok:
             return t
         self.slot[id(t)] = self.n_inputs + len(self.allocs)
-        self.allocs.append((factory, tuple(shape), dtype))
+        self.allocs.append((factory, tuple(shape), dtype, device))
         self.bufs.append(t)
         return t
 
