@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 
 from tritonattn.configs import env_flag, interpreting
-from tritonattn.kernels.decode import free_key as _decode_free_key
 from tritonattn.kernels.decode import replay_free as _replay_free
 from tritonattn.kernels.fwd import attention_forward, plan_flags, replay_linked
 from tritonattn.kernels.variants import MASK_KEYS, MASK_TILE, Variants
@@ -386,11 +385,9 @@ def flash_attn_func(
         if res is not None:
             return res[0]
         # a decoding step over a cache whose length changes every call: the length-free plan
-        free = _decode_free_key(fast, q, k, v)
-        if free is not None:
-            res = _replay_free(fast, free, q, k, v)
-            if res is not None:
-                return res[0]
+        free, res = _replay_free(fast, q, k, v)
+        if res is not None:
+            return res[0]
     key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                        seq_free=True)
     var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,

@@ -76,11 +76,9 @@ def scaled_dot_product_attention(
             # whose top-left window is a function of the lengths): the length-free plan, as
             # flash_attn_func's (the checks below read no length but key's and value's agreement)
             if attn_mask is None and not is_causal:
-                free = ti._decode_free_key(fast, qt, kt, vt)
-                if free is not None:
-                    res = ti._replay_free(fast, free, qt, kt, vt)
-                    if res is not None:
-                        return res[0].transpose(1, 2)
+                free, res = ti._replay_free(fast, qt, kt, vt)
+                if res is not None:
+                    return res[0].transpose(1, 2)
     sig = None
     if not torch.compiler.is_compiling():
         sig = ti._signature((query, key, value, attn_mask), (dropout_p, is_causal, scale, enable_gqa))

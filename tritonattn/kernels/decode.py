@@ -390,7 +390,7 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     inputs = (q, k, v, *var.tensors(), *(new[:4] if new else ()))
     splits, split_len = _splits(q, k, capacity, num_splits, var.block_table is not None)
     if var.kv_lens is None and var.block_table is None and new is None:  # every row's keys: the whole cache
-        values = (*k.stride(), *v.stride(), split_len, capacity)
+        values = _dense_values(k, v, split_len, capacity)
         key = ("decode-dense", q.shape, q.stride(), k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], q.dtype,
                q.device, var.signature(), splits, configs.DECODE_PDL)
     else:
@@ -430,29 +430,38 @@ def free_key(fast: tuple, q, k, v) -> tuple | None:
     return fast[:5], k.shape[0], k.shape[2:], fast[7:9], v.shape[0], v.shape[2:], fast[11:]
 
 
-def replay_free(fast: tuple, free: tuple, q, k, v) -> tuple | None:
-    """``(out, lse)`` of a dense call through the plan linked to its :func:`free_key` and this
-    length's split count, with this call's values (k's and v's strides, the split length, the
-    cache's length), or None: no link (the call takes the full path, which links it). The split
-    count is computed only once the free key is linked (a call with it passed the checks: its
-    shapes are valid). The call's own key ``fast`` is linked to the plan with these values at its
-    second call (a shape called again and again then takes the shorter way, fwd.replay_linked)."""
-    if plan.linked(free) is None:
-        return None
+def replay_free(fast: tuple, q, k, v) -> tuple:
+    """``(free, res)`` for an entry point's call whose key ``fast`` has no link: its
+    :func:`free_key` (None when the call does not take the decoding kernel; the launcher links it,
+    ``Variants.free_key``) and ``(out, lse)`` through the plan linked to that key and this length's
+    split count, with this call's values (k's and v's strides, the split length, the cache's
+    length), or None: no link (the call takes the full path, which links it). The split count is
+    computed only once the free key is linked (a call with it passed the checks: its shapes are
+    valid). The call's own key ``fast`` is linked to the plan with these values at its second call
+    (a shape called again and again then takes the shorter way, fwd.replay_linked)."""
+    free = free_key(fast, q, k, v)
+    if free is None or plan.linked(free) is None:
+        return free, None
     capacity = k.shape[1]
     splits, split_len = _splits(q, k, capacity, 0, False)
     part = (free, splits)
     entry = plan.linked(part)
     if entry is None:
-        return None
+        return free, None
     p = entry[0]
-    values = (*k.stride(), *v.stride(), split_len, capacity)
+    values = _dense_values(k, v, split_len, capacity)
     res = p.run((q, k, v, *_NO_TENSOR_OPTIONS), q.device, values)
     if res is not None:
         plan.refresh(free)
         plan.refresh(part)
         plan.link_plan(fast, p, (False, None, values))
-    return res
+    return free, res
+
+
+def _dense_values(k, v, split_len: int, capacity: int) -> tuple:
+    """The length-free plan's values, in the order :func:`_record` names them: k's and v's strides,
+    the split length, the cache's length."""
+    return (*k.stride(), *v.stride(), split_len, capacity)
 
 
 def _splits(q, k, capacity: int, num_splits: int, paged: bool) -> tuple[int, int]:
