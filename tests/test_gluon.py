@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import set_env
+from conftest import DEVICE, set_env
 
 from tritonattn import configs
 from tritonattn.kernels import bwd, fwd
@@ -872,7 +872,8 @@ def check_kv_sum(device, dtype, packed: bool = False) -> None:
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 def test_kv_sum_kernel(dtype, packed):
-    check_kv_sum("cpu", dtype, packed)
+    """On CPU tensors under the interpreter; on the GPU, compiled."""
+    check_kv_sum(DEVICE, dtype, packed)
 
 
 def check_dq_convert(device, packed: bool, dtype) -> None:
@@ -908,7 +909,8 @@ def check_dq_convert(device, packed: bool, dtype) -> None:
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dq_convert_kernel(packed, dtype):
-    check_dq_convert("cpu", packed, dtype)
+    """On CPU tensors under the interpreter; on the GPU, compiled (bf16 rounded to nearest even there)."""
+    check_dq_convert(DEVICE, packed, dtype)
 
 
 def test_fused_dq_varlen_classes(monkeypatch):

@@ -112,6 +112,7 @@ def test_short_causal_tiles(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkey
     # in configs.GLUON_MIN_SEQLEN on sm_90: test_gluon_forward)
     monkeypatch.setattr(fwd, "GLUON", False)
     monkeypatch.setattr(bwd, "GLUON", False)
+    monkeypatch.setattr(configs, "DENSE_DECODE", False)  # (Sq=1: the forward's tile, not the decoding kernel)
     picked = _spy_on_configs(monkeypatch)
     _run_and_check(B, Sq, Sk, Hq, Hkv, D, causal, dtype)
     padded = configs.padded_head_dim(D)
@@ -237,6 +238,9 @@ def test_gluon_forward(B, Sq, Sk, Hq, Hkv, D, causal, dtype, poison, monkeypatch
     configs.FUSED_DQ_MIN_SEQLEN, the fused dQ, dK / dV), bitwise the same on a rerun."""
     if not fwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon kernels run on sm_90 GPUs only")
+    # one query row per kv head group would take the decoding kernel (configs.dense_decode: its own
+    # tests); here the forward kernels' one-row case
+    monkeypatch.setattr(configs, "DENSE_DECODE", False)
     names = _launched(monkeypatch)
     torch.manual_seed(Sq + Sk)
     q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, DEVICE)
@@ -611,6 +615,9 @@ def test_gluon_forward_varlen(causal, D, programs, poison, monkeypatch):
     monkeypatch.setattr(fwd, "GLUON_VARLEN", True)
     monkeypatch.setattr(bwd, "GLUON_VARLEN", True)
     monkeypatch.setattr(fwd.fwd_sm90, "PROGRAMS", programs)
+    # the sequences' own dense calls take the Gluon forward too, not the decoding kernel for the one
+    # query (configs.dense_decode), so that they can be compared bitwise below
+    monkeypatch.setattr(configs, "DENSE_DECODE", False)
     if programs and causal:  # and the causal order in sections of 3 of the 48 heads
         monkeypatch.setattr(fwd.fwd_sm90, "HEADS_PER_SECTION", 3)
     lens_q, lens_k = [2100, 5, 3000, 0, 1, 1300], [2100, 0, 2999, 7, 4095, 2500]
@@ -916,15 +923,6 @@ def test_bwd_experiments_bitwise_on_gpu(switch, D, S, hkv, causal, monkeypatch, 
         assert "_bwd_dkdv_ws_kernel" in names, names
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("dtype", [torch.float16, BF16, torch.float32], ids=["fp16", "bf16", "fp32"])
-def test_dq_convert_kernel_on_gpu(packed, dtype):
-    """The fused dQ's buffer into dq on the GPU: bitwise torch's cast (bf16 rounded to nearest even)."""
-    from test_gluon import check_dq_convert
-
-    check_dq_convert(DEVICE, packed, dtype)
 
 
 def test_gluon_fused_dq_varlen_on_gpu(monkeypatch, poison):

@@ -621,7 +621,8 @@ def test_length_free_links_of_interleaved_caches_and_many_layers(monkeypatch):
         per_step.append(len(checked) - before)
         assert len(plan._links) <= 6
     assert sum(per_step[4:]) == 0, per_step
-    assert sorted(key[-2] for key in plan._plans) == [1, 2], list(plan._plans)
+    splits = sorted(key[-2] for key in plan._plans)  # one split, and 2 (3 on 132 SMs)
+    assert len(splits) == 2 and splits[0] == 1 < splits[1], list(plan._plans)
     monkeypatch.setattr(plan, "replay", lambda *args, **kwargs: None)
     monkeypatch.setattr(plan, "linked", lambda *args, **kwargs: None)
     for (layer, n), out in outs:
