@@ -9,7 +9,9 @@ read). A table on stdout, CSV under $OUT.
 host's per-call work, which bounds the short caches of eager calls (and a forced config takes the
 launcher's full path, without its launch plan).
 
-``--default-tile`` times only the table's tile, ``--splits`` given split counts, ``--flush read``
+``--default-tile`` times only the table's tile, ``--splits`` given split counts (the table says how
+many were taken: a split's keys are rounded up to configs.DECODE_SPLIT_GRANULE, ``--granules 0 16``
+times each count with each granule), ``--flush read``
 flushes the L2 by a read (see ``bench``), ``--paged P`` reads the cache through a block table of
 P-row pages in shuffled order (a serving engine's page pool after some traffic; the peers read the
 contiguous cache). With ``--cuda-graphs`` the first rows are the floor: a
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 from tritonattn import configs, flash_attn_with_kvcache  # noqa: E402
 from tritonattn.bench.runner import _bench, _graphed  # noqa: E402
 from tritonattn.configs import TileConfig as C  # noqa: E402
-from tritonattn.kernels.decode import pick_num_splits  # noqa: E402
+from tritonattn.kernels.decode import _splits, pick_num_splits  # noqa: E402
 
 CANDIDATES = [C(0, 128, 4, 3), C(0, 128, 4, 2), C(0, 64, 4, 3), C(0, 64, 4, 4), C(0, 64, 8, 3), C(0, 128, 8, 3),
               C(0, 32, 4, 4), C(0, 256, 8, 2)]
@@ -54,11 +56,15 @@ def main(argv=None) -> int:
                         "dependent launch (TRITONATTN_DECODE_PDL)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
+    p.add_argument("--granules", type=int, nargs="+",
+                   help="split granules to time each split count with (configs.DECODE_SPLIT_GRANULE: each split's "
+                        "keys a multiple of this many, 0: of the tile's BLOCK_N; default: the configured one)")
     p.add_argument("--paged", type=int, default=0, help="pages of this many rows (0: a contiguous cache)")
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
-    pdl_default = configs.DECODE_PDL
+    pdl_default, granule_default = configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE
+    granules = args.granules or [granule_default]
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -71,9 +77,9 @@ def main(argv=None) -> int:
         x = torch.zeros(1, device="cuda")
         for n in (1, 2):
             ms = timed(lambda: [x.add_(1) for _ in range(n)])
-            rows.append(dict(B=0, L=0, config=f"floor: {n} tiny kernel(s)", splits="", ms=ms, gbps=0.0))
+            rows.append(dict(B=0, L=0, config=f"floor: {n} tiny kernel(s)", splits="", taken="", ms=ms, gbps=0.0))
             print(f"floor, a graph of {n} one-element kernel(s): {ms * 1e3:.2f} us")
-    print("| B | L | config | splits | ms | GB/s | x cuDNN |\n|---|---|---|---|---|---|---|")
+    print("| B | L | config | splits asked -> taken | ms | GB/s | x cuDNN |\n|---|---|---|---|---|---|---|")
     for B in args.batches:
         for L in args.lengths:
             q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dt)
@@ -100,15 +106,17 @@ def main(argv=None) -> int:
             auto = pick_num_splits(B, Hkv, L, q.device, paged=bool(args.paged))
             ref = peers.get("cudnn") or min(peers.values())
             for name, ms in peers.items():
-                rows.append(dict(B=B, L=L, config=f"sdpa-{name}", splits="", ms=ms, gbps=gbytes / ms * 1e3))
+                rows.append(dict(B=B, L=L, config=f"sdpa-{name}", splits="", taken="", ms=ms, gbps=gbytes / ms * 1e3))
                 print(f"| {B} | {L} | sdpa-{name} | | {ms:.4f} | {gbytes / ms * 1e3:.0f} | {ref / ms:.2f} |",
                       flush=True)
             tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    for pdl in ((False, True) if args.pdl and splits > 1 else (False,)):
-                        configs.DECODE_PDL = pdl
+                    for pdl, granule in ((p_, g) for p_ in ((False, True) if args.pdl and splits > 1 else (False,))
+                                         for g in granules):
+                        configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE = pdl, granule
                         with configs.override(decode=cfg):
+                            taken = _splits(q, kc, L, splits, bool(args.paged))[0]  # after the granule's rounding
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
                                                                            num_splits=splits, **kw))
@@ -116,12 +124,15 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
-                        rows.append(dict(B=B, L=L, config=label, splits=splits, ms=ms, gbps=gbytes / ms * 1e3))
-                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
-                        print(f"| {B} | {L} | {label}{mark} | {splits} | {ms:.4f} | {gbytes / ms * 1e3:.0f} | "
-                              f"{ref / ms:.2f} |", flush=True)
-                    configs.DECODE_PDL = pdl_default
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "") + (
+                            f" granule {granule}" if len(granules) > 1 or granule != granule_default else "")
+                        rows.append(dict(B=B, L=L, config=label, splits=splits, taken=taken, ms=ms,
+                                         gbps=gbytes / ms * 1e3))
+                        mark = (" (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl
+                                and granule == granule_default else "")
+                        print(f"| {B} | {L} | {label}{mark} | {splits} -> {taken} | {ms:.4f} | "
+                              f"{gbytes / ms * 1e3:.0f} | {ref / ms:.2f} |", flush=True)
+                    configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE = pdl_default, granule_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (
