@@ -116,6 +116,8 @@ def refresh(entry_key) -> None:
     """Make ``entry_key``'s link the most recent (the last that :func:`link_plan` drops when the
     store is full): for links that serve every call of a loop that links a new key at each call
     (a many-layer generation loop over a growing cache links each step's shape from its second layer)."""
+    if 2 * len(_links) < _MAX_PLANS:  # nothing is dropped before the store is full: refreshed from half full
+        return
     entry = _links.pop(entry_key, None)
     if entry is not None:
         _links[entry_key] = entry
