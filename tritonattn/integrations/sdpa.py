@@ -68,15 +68,16 @@ def scaled_dot_product_attention(
     if not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
         fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa), attn_mask)
         if fast is not None:
-            qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-            res = ti.replay_linked(fast, qt, kt, vt, attn_mask)
+            # a replay takes the tensors' addresses, which the (B, S, H, D) views share: the views'
+            # strides are the recorded call's (in the key), so no transpose is needed here
+            res = ti.replay_linked(fast, query, key, value, attn_mask)
             if res is not None:
                 return res[0].transpose(1, 2)
             # a decoding step over a cache whose length changes every call (no mask; not is_causal,
             # whose top-left window is a function of the lengths): the length-free plan, as
             # flash_attn_func's (the checks below read no length but key's and value's agreement)
             if attn_mask is None and not is_causal:
-                free, res = ti._replay_free(fast, qt, kt, vt)
+                free, res = ti._replay_free(fast, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
                 if res is not None:
                     return res[0].transpose(1, 2)
     sig = None
