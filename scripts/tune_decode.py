@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
+    if args.granules and min(args.granules) < 0:
+        p.error("--granules: whole numbers of keys >= 0 (0: the tile's BLOCK_N)")
     pdl_default, granule_default = configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE
     granules = args.granules or [granule_default]
 

@@ -512,6 +512,29 @@ def test_split_granule_keeps_the_split_count(monkeypatch):
     assert configs._split_granule() == 64
 
 
+def test_split_granule_changed_between_calls(monkeypatch):
+    """A granule changed at run time (as scripts/tune_decode.py does) is in the entry points' keys:
+    a shape linked to its plan under one granule takes the other granule's splits afterwards, bitwise
+    what the full path gives with it (split_len 288 against 300 here: another order of the sums)."""
+    from tritonattn import flash_attn_func
+    from tritonattn.kernels import plan
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 2, 16, device=DEVICE).to(F16)
+    k, v = (torch.randn(1, 1100, 1, 16, device=DEVICE).to(F16) for _ in range(2))
+    for _ in range(3):  # recorded and linked at granule 0
+        flash_attn_func(q, k, v, causal=True)
+    monkeypatch.setattr(configs, "DECODE_SPLIT_GRANULE", 100)
+    outs = [flash_attn_func(q, k, v, causal=True) for _ in range(3)]
+    with monkeypatch.context() as m:
+        m.setattr(plan, "replay", lambda *args, **kwargs: None)
+        m.setattr(plan, "linked", lambda *args, **kwargs: None)
+        full = flash_attn_func(q, k, v, causal=True)
+    for out in outs:
+        assert torch.equal(out, full)
+    check_against_reference(q, k, v, full, None, None, None, True)
+
+
 def test_pick_num_splits(monkeypatch):
     """The split heuristic on an H200's 132 SMs: about one wave of (split, batch, kv head) programs,
     at least 2 splits of at least 256 keys; one split once batch x kv heads is two waves or more."""
