@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import os
 import sys
 
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
             tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    for pdl, granule in ((p_, g) for p_ in ((False, True) if args.pdl and splits > 1 else (False,))
-                                         for g in granules):
+                    pdls = (False, True) if args.pdl and splits > 1 else (False,)
+                    for pdl, granule in itertools.product(pdls, granules):
                         configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE = pdl, granule
                         with configs.override(decode=cfg):
                             taken = _splits(q, kc, L, splits, bool(args.paged))[0]  # after the granule's rounding

@@ -515,7 +515,8 @@ def test_split_granule_keeps_the_split_count(monkeypatch):
 def test_split_granule_changed_between_calls(monkeypatch):
     """A granule changed at run time (as scripts/tune_decode.py does) is in the entry points' keys:
     a shape linked to its plan under one granule takes the other granule's splits afterwards, bitwise
-    what the full path gives with it (split_len 288 against 300 here: another order of the sums)."""
+    what the full path gives with it (under the interpreter's 32-key tile split_len 288 against 300:
+    another order of the sums)."""
     from tritonattn import flash_attn_func
     from tritonattn.kernels import plan
 
