@@ -73,6 +73,11 @@ def main() -> int:
                                                  vt.detach().requires_grad_(), is_causal=True, enable_gqa=True)
         out.backward(dout.transpose(1, 2))
 
+    def dropin_fwd_bwd():  # the drop-in, called as the peer's row calls torch's SDPA
+        out = tritonattn.scaled_dot_product_attention(qt.detach().requires_grad_(), kt.detach().requires_grad_(),
+                                                      vt.detach().requires_grad_(), is_causal=True, enable_gqa=True)
+        out.backward(dout.transpose(1, 2))
+
     cases = {
         "flash_attn_func fwd (no grad)": lambda: tritonattn.flash_attn_func(q, k, v, causal=True),
         "flash_attn_func fwd+bwd": fwd_bwd,
@@ -92,6 +97,7 @@ def main() -> int:
         "flash_attn_func decode step, growing cache (one key more per call)": decode_growing,
         "tritonattn.scaled_dot_product_attention": lambda: tritonattn.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True),
+        "tritonattn.scaled_dot_product_attention fwd+bwd": dropin_fwd_bwd,
         "tritonattn.scaled_dot_product_attention, bool mask (B, 1, 1, Sk)": lambda: (
             tritonattn.scaled_dot_product_attention(qt, kt, vt, attn_mask=padding[:, None, None, :], enable_gqa=True)),
         "tritonattn.attention, key_padding_mask, causal": lambda: tritonattn.attention(

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
+import tritonattn
 from tritonattn import attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 
@@ -372,6 +373,12 @@ def test_autograd_entry_without_and_with_functorch(monkeypatch):
     out_dead.sum().backward()
     out.sum().backward()
     assert torch.equal(k1.grad, k2.grad)
+    with torch.no_grad():  # an inference call (its key and its full path) with the dead wrapper
+        for _ in range(2):
+            assert torch.equal(flash_attn_func(dead, k, v, causal=True), out)
+            assert torch.equal(tritonattn.scaled_dot_product_attention(
+                dead.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True),
+                out.transpose(1, 2))
 
     applied = []
     real = ops.FlashAttnFunction.apply

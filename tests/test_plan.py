@@ -331,6 +331,96 @@ def test_inference_link_keeps_the_checks_for_other_calls():
     assert plan.hits >= hits
 
 
+def test_training_calls_replay_through_the_linked_plan(monkeypatch):
+    """flash_attn_func's calls that need gradients: the first call with a key (interface._fast_key's
+    grad tag) takes the checks and the launcher, which links the key to its plan; the next call with
+    that key reuses the first call's checked Variants (interface._GRAD_VARS: its checks would raise
+    here) and FlashAttnFunction.forward replays the linked plan (its full forward would raise). Each
+    case differs from the one before in one part of the key only; outputs and gradients are compared
+    bitwise with a fresh full-path call, and with the fp64 reference."""
+    from tritonattn import interface, ops
+    from tritonattn.testing import check_close
+
+    def make(seed, dtype=F16, transposed=False):
+        gen = torch.Generator().manual_seed(seed)
+        q = (_randn(gen, 2, 4, 37, 40, dtype=dtype).transpose(1, 2) if transposed
+             else _randn(gen, 2, 37, 4, 40, dtype=dtype))
+        ins = (q, _randn(gen, 2, 53, 2, 40, dtype=dtype), _randn(gen, 2, 53, 2, 40, dtype=dtype))
+        return [t.detach().requires_grad_() for t in ins], _randn(gen, 2, 37, 4, 40, dtype=dtype)
+
+    def step(ins, dout, kw):
+        out = flash_attn_func(*ins, **kw)
+        return (out, *torch.autograd.grad(out, ins, dout))
+
+    cases = [(dict(causal=True), {}), (dict(causal=False), {}), (dict(causal=True, window_size=(9, 3)), {}),
+             (dict(causal=True, softcap=5.0), {}), (dict(causal=True, softmax_scale=0.3), {}),
+             (dict(causal=True), dict(transposed=True)), (dict(causal=True), dict(dtype=torch.float32))]
+    plan.clear()
+    interface._GRAD_VARS.clear()
+    results = []
+    for i, (kw, how) in enumerate(cases):
+        step(*make(i, **how), kw)  # checks + launcher: records and links
+        ins, dout = make(100 + i, **how)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(interface, "_validated", lambda *a: pytest.fail(f"case {i}: the linked call took the checks"))
+            m.setattr(ops, "forward", lambda *a: pytest.fail(f"case {i}: the linked call took the launcher"))
+            got = step(ins, dout, kw)
+        assert plan.hits == hits + 2, f"case {i}: the forward and the backward did not both replay"
+        results.append((ins, dout, kw, got))
+    assert len(interface._GRAD_VARS) == len(cases)
+    for i, (ins, dout, kw, got) in enumerate(results):
+        plan.clear()
+        interface._GRAD_VARS.clear()
+        fresh = step(ins, dout, kw)  # the full path
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, fresh):
+            assert torch.equal(a, b), f"case {i} {name}: {kw}"
+        ref_kw = dict(kw, window_size=tuple(kw.get("window_size", (-1, -1))))
+        for j, name in enumerate(("out", "dq", "dk", "dv")):
+            ref = _ref_and_grads(ins, dout, ref_kw, True)[j]
+            same = _ref_and_grads(ins, dout, ref_kw, False)[j]
+            check_close(f"case {i} {name}", got[j], ref, same, 3)
+
+
+def _ref_and_grads(ins, dout, kw, upcast):
+    from tritonattn.testing import attention_ref
+
+    leaves = [t.detach().requires_grad_() for t in ins]
+    out, _ = attention_ref(*leaves, **kw, upcast=upcast)
+    return (out, *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+
+def test_training_link_keeps_autograd_and_the_checks_for_other_calls():
+    """A training call's remembered key covers calls that match it only, and the replay is a real
+    autograd node: an input that does not require grad gets none, create_graph still raises, a call
+    under no_grad or of another dtype takes its own path (the dtype's checks raise), a dropout call
+    is never remembered (its seed is drawn per call)."""
+    from tritonattn import interface
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (_randn(gen, 1, 24, 2, 32).requires_grad_() for _ in range(3))
+    plan.clear()
+    interface._GRAD_VARS.clear()
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert len(interface._GRAD_VARS) == 1 and out.grad_fn is not None
+    k2 = k.detach()  # the same key (requires_grad is not in it): the remembered Variants
+    out = flash_attn_func(q, k2, v, causal=True)
+    dq, dv = torch.autograd.grad(out.float().sum(), (q, v))
+    assert k2.grad is None and torch.isfinite(dq).all() and torch.isfinite(dv).all()
+    out = flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.float().sum(), (q,), create_graph=True)
+    with torch.no_grad():
+        assert flash_attn_func(q, k, v, causal=True).grad_fn is None
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attn_func(q, k.detach().float().requires_grad_(), v, causal=True)
+    torch.manual_seed(0)
+    a = flash_attn_func(q, k, v, dropout_p=0.3)
+    b = flash_attn_func(q, k, v, dropout_p=0.3)
+    assert not torch.equal(a, b) and len(interface._GRAD_VARS) == 1
+
+
 def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
     """An inference call that does not return its lse writes it to one kept buffer (no allocation per
     call; fwd._discarded); a call that returns it gets its own, which later calls do not touch

@@ -243,6 +243,69 @@ def test_inference_calls_replay_through_the_linked_plan(monkeypatch):
         scaled_dot_product_attention(q, k, v, scale=1)
 
 
+def test_training_calls_replay_through_the_linked_plan(monkeypatch):
+    """4-d calls without a mask that need gradients: the first call with a key (tagged "sdpa-grad")
+    takes the checks and links the key to its launch plan; the next call reuses its checked Variants
+    (the checks and the remembered checks' key would fail) and replays the plan (the full forward would fail), then the backward.
+    Outputs and gradients against a fresh full-path call (bitwise) and torch in fp64; a float mask
+    (a bias) or a bool mask takes the full path."""
+    from tritonattn import interface, ops
+    from tritonattn.integrations import sdpa
+    from tritonattn.kernels import plan
+
+    def make(seed, Sq, Sk, Hkv):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 4, Sq, 16, generator=gen)
+        k, v = (torch.randn(2, Hkv, Sk, 16, generator=gen) for _ in range(2))
+        dout = torch.randn(2, 4, Sq, 16, generator=gen).to(device=DEVICE, dtype=F16)
+        return [t.to(device=DEVICE, dtype=F16).requires_grad_() for t in (q, k, v)], dout
+
+    def step(ins, dout, kw):
+        out = scaled_dot_product_attention(*ins, **kw)
+        return (out, *torch.autograd.grad(out, ins, dout))
+
+    cases = [((37, 37, 4), dict(is_causal=True)), ((20, 45, 4), dict(is_causal=True)),
+             ((20, 45, 2), dict(is_causal=False, enable_gqa=True, scale=0.3))]
+    plan.clear()
+    interface._GRAD_VARS.clear()
+    results = []
+    for i, (dims, kw) in enumerate(cases):
+        step(*make(i, *dims), kw)
+        ins, dout = make(100 + i, *dims)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(sdpa, "_fallback_reason", None)
+            m.setattr(interface, "_check_qkv", None)
+            m.setattr(interface, "_signature", None)  # (the remembered checks' key)
+            m.setattr(ops, "forward", None)
+            got = step(ins, dout, kw)
+        assert plan.hits == hits + 2, f"case {i}: the forward and the backward did not both replay"
+        results.append((ins, dout, kw, got))
+    for i, (ins, dout, kw, got) in enumerate(results):
+        plan.clear()
+        interface._GRAD_VARS.clear()
+        fresh = step(ins, dout, kw)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, fresh):
+            assert torch.equal(a, b), f"case {i} {name}"
+        for dtype, ref in ((torch.float64, True), (F16, False)):
+            leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in ins]
+            o = TORCH_SDPA(*leaves, **kw)
+            grads = torch.autograd.grad(o, leaves, dout.cpu().to(dtype))
+            if ref:
+                want = (o, *grads)
+            else:
+                for j, name in enumerate(("out", "dq", "dk", "dv")):
+                    check_close(f"case {i} {name}", got[j].cpu(), want[j], (o, *grads)[j], k=3)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
+    bias = torch.randn(9, 9, generator=gen).to(DEVICE)
+    for mask in (bias, bias > 0):
+        before = len(interface._GRAD_VARS)
+        for _ in range(2):
+            scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert len(interface._GRAD_VARS) == before
+
+
 def test_tensor_like_arguments_go_to_torch():
     """Arguments that are not tensors but follow __torch_function__ take torch's SDPA, as before the
     drop-in's fast path (which must not call a tensor method on them first)."""

@@ -290,7 +290,9 @@ def _apply(packing: str, var: Variants, return_probs: bool, tensors: tuple, bias
     if not _needs_grad(*tensors, bias):  # inference: skip the autograd machinery (host time per call)
         if not (keep_lse or return_probs):  # (the probabilities are computed from the lse)
             var.need_lse = False
-        return ops_forward(packing, var, return_probs, tensors, bias)
+        # (dead functorch wrappers unwrapped, as Function.apply does below: they have no storage)
+        tensors = tuple(None if t is None else _unwrap_if_dead(t) for t in tensors)
+        return ops_forward(packing, var, return_probs, tensors, None if bias is None else _unwrap_if_dead(bias))
     if _functorch_active():  # vmap / grad / jvp: Function.apply routes through functorch
         return FlashAttnFunction.apply(packing, var, return_probs, *tensors, bias)
     # what Function.apply does without functorch transforms, less its Python: it binds the defaults
@@ -378,30 +380,53 @@ def flash_attn_func(
         ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs``.
     """
     fast = None if return_attn_probs else _options_fast_key("dense", q, k, v, dropout_p, softmax_scale, causal,
-                                                              window_size, softcap, alibi_slopes, (deterministic,))
+                                                              window_size, softcap, alibi_slopes, (deterministic,),
+                                                              grad=_DENSE_GRAD)
     free = None
-    if fast is not None:  # an inference call with the key of an earlier one: its launch plan, replayed
-        res = replay_linked(fast, q, k, v)
-        if res is not None:
-            return res[0]
-        # a decoding step over a cache whose length changes every call: the length-free plan
-        free, res = _replay_free(fast, q, k, v)
-        if res is not None:
-            return res[0]
+    if fast is not None:
+        if fast[0] is _DENSE_GRAD:  # a training call: the checked Variants of its key's first call, if kept
+            var = _GRAD_VARS.get(fast)
+            if var is not None:  # (FlashAttnFunction.forward replays the plan linked to the key)
+                return _function_apply("none", var, False, _unwrap_if_dead(q), _unwrap_if_dead(k),
+                                       _unwrap_if_dead(v), None)[0]
+        else:  # an inference call with the key of an earlier one: its launch plan, replayed
+            res = replay_linked(fast, q, k, v)
+            if res is not None:
+                return res[0]
+            # a decoding step over a cache whose length changes every call: the length-free plan
+            free, res = _replay_free(fast, q, k, v)
+            if res is not None:
+                return res[0]
     key = _options_key((q, k, v), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                        seq_free=True)
     var = _validated(key, dropout_p, q, _check_dense, q, k, v, dropout_p, softmax_scale, causal, window_size,
                      softcap, alibi_slopes, deterministic)
     var.fast_key, var.free_key = fast, free  # (the launcher links them to its plan)
     out, lse, probs = _apply("none", var, return_attn_probs and dropout_p > 0, (q, k, v), keep_lse=return_attn_probs)
+    if fast is not None and fast[0] is _DENSE_GRAD:  # (after the call: it raised nothing)
+        _keep_grad_var(fast, var)
     return _finish(out, lse, probs, return_attn_probs)
+
+
+# A training call's key (_fast_key's ``grad`` tag) -> the Variants its first call was checked into,
+# shared by the later calls with that key (read only: no launcher writes to a Variants; ctx.var of
+# each call's autograd node). Such a call skips the checks and FlashAttnFunction.forward replays the
+# forward's plan linked to the key (fwd.replay_linked), as an inference call does.
+_DENSE_GRAD = "dense-grad"
+_GRAD_VARS: dict = {}
+
+
+def _keep_grad_var(fast: tuple, var: Variants) -> None:
+    if len(_GRAD_VARS) >= 4096:
+        _GRAD_VARS.clear()
+    _GRAD_VARS[fast] = var
 
 
 _FAST_OPTION_TYPES = frozenset((type(None), bool, int, float, type))
 
 
 def _options_fast_key(tag: str, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      more: tuple, mask=None):
+                      more: tuple, mask=None, grad: str | None = None):
     """:func:`_fast_key` of a call with flash_attn_func's options (the window as its type and two
     entries) and ``more`` (the entry point's own); None with ALiBi slopes (a tensor) or a window
     that is not a list or tuple of two."""
@@ -411,10 +436,10 @@ def _options_fast_key(tag: str, q, k, v, dropout_p, softmax_scale, causal, windo
     if (tw is not tuple and tw is not list) or len(window_size) != 2:
         return None
     left, right = window_size
-    return _fast_key(tag, q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap, *more), mask)
+    return _fast_key(tag, q, k, v, (dropout_p, softmax_scale, causal, tw, left, right, softcap, *more), mask, grad)
 
 
-def _fast_key(tag: str, q, k, v, options: tuple, mask=None):
+def _fast_key(tag: str, q, k, v, options: tuple, mask=None, grad: str | None = None):
     """Key of an entry point's (``tag``'s) call that needs no gradient and has no tensor option
     (ALiBi, bias) but a bool ``mask`` (its one mask argument, or None) and no dropout (``options[0]``,
     the dropout probability, is 0): the tensors' shapes, strides, dtypes and devices, whether q, k
@@ -423,7 +448,8 @@ def _fast_key(tag: str, q, k, v, options: tuple, mask=None):
     first call with a key takes both, and the launcher links the key to its plan
     (``Variants.fast_key``); the next call with it replays the plan (``fwd.replay_linked``). None for
     any other call, which takes the full path (also while torch.compile traces and under functorch
-    transforms)."""
+    transforms). ``grad``: a tag for calls that need a gradient (no mask), whose keys it leads
+    instead of ``tag`` (the entry point then replays through autograd); None: such calls get None."""
     if torch.compiler.is_compiling() or _functorch_active():
         return None
     types = tuple(map(type, options))
@@ -434,16 +460,22 @@ def _fast_key(tag: str, q, k, v, options: tuple, mask=None):
     if q.is_nested or k.is_nested or v.is_nested:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
+        if grad is None or mask is not None:
+            return None
+        tag = grad
     if mask is None:
         mask_key = None
     elif type(mask) is _Tensor and mask.dtype == torch.bool and not mask.is_nested:
         mask_key = (mask.shape, mask.stride(), mask.device)
     else:
         return None
-    kv_ptrs = k.data_ptr() | v.data_ptr()
+    try:
+        kv_ptrs = k.data_ptr() | v.data_ptr()
+        q_ptr = q.data_ptr()
+    except RuntimeError:  # a dead functorch wrapper (a tensor leaked out of a transform): no storage
+        return None
     return (tag, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, mask_key, types, options, (q.data_ptr() | kv_ptrs) & 15 == 0, kv_ptrs & 15 == 0,
+            v.dtype, v.device, mask_key, types, options, (q_ptr | kv_ptrs) & 15 == 0, kv_ptrs & 15 == 0,
             plan_flags())
 
 

@@ -18,6 +18,7 @@ import torch
 from tritonattn.configs import interpreting
 
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_GRAD = "sdpa-grad"  # interface._fast_key's tag of a call that needs gradients
 _warned: set[str] = set()
 # Signatures of calls that passed every check (interface._signature of the three tensors, attn_mask
 # (None or its shape, dtype and device) and the options) -> the Variants fields they gave: a repeated
@@ -66,8 +67,15 @@ def scaled_dot_product_attention(
     fast = free = None
     # an inference call (no mask, or a bool one) with the key of an earlier one: its launch plan, replayed
     if not torch.compiler.is_compiling() and type(query) is torch.Tensor and query.dim() == 4:
-        fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa), attn_mask)
-        if fast is not None:
+        fast = ti._fast_key("sdpa", query, key, value, (dropout_p, is_causal, scale, enable_gqa), attn_mask,
+                            _SDPA_GRAD)
+        if fast is not None and fast[0] is _SDPA_GRAD:  # a training call (no mask), as flash_attn_func's
+            var = ti._GRAD_VARS.get(fast)
+            if var is not None:
+                u = ti._unwrap_if_dead
+                return ti._function_apply("none", var, False, u(query).transpose(1, 2), u(key).transpose(1, 2),
+                                          u(value).transpose(1, 2), None)[0].transpose(1, 2)
+        elif fast is not None:
             # a replay takes the tensors' addresses, which the (B, S, H, D) views share: the views'
             # strides are the recorded call's (in the key), so no transpose is needed here
             res = ti.replay_linked(fast, query, key, value, attn_mask)
@@ -134,6 +142,8 @@ def scaled_dot_product_attention(
         ti._lay_out_mask(q, k, mask, None, var)
     var.fast_key, var.free_key = fast, free  # (the launcher links them to its plan)
     out, _, _ = ti._apply("none", var, False, (q, k, v), bias, keep_lse=False)
+    if fast is not None and fast[0] is _SDPA_GRAD:  # (after the call: it raised nothing)
+        ti._keep_grad_var(fast, var)
     out = out.transpose(1, 2)
     return out if four else out.reshape(*lead, Hq, Sq, D)
 
