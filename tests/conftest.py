@@ -101,6 +101,12 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    # buffers kept per stream across calls (kernels/kept.py) that kernels read: fresh ones, whose
+    # blocks come from the NaN allocations above (an earlier call's values would hide a missed write)
+    from tritonattn.kernels import bwd, decode, kept
+
+    for module, name in ((bwd, "_deltas"), (decode, "_o_parts"), (decode, "_lse_parts")):
+        monkeypatch.setattr(module, name, kept.Kept())
 
 
 def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scale=None, bias=None, dbias=None,

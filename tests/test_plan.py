@@ -335,7 +335,8 @@ def test_training_calls_replay_through_the_linked_plan(monkeypatch):
     """flash_attn_func's calls that need gradients: the first call with a key (interface._fast_key's
     grad tag) takes the checks and the launcher, which links the key to its plan; the next call with
     that key reuses the first call's checked Variants (interface._GRAD_VARS: its checks would raise
-    here) and FlashAttnFunction.forward replays the linked plan (its full forward would raise). Each
+    here), FlashAttnFunction.forward replays the linked plan (its full forward would raise) and the
+    backward launcher the plan linked to the entry key and dO's layout (neither builds its key). Each
     case differs from the one before in one part of the key only; outputs and gradients are compared
     bitwise with a fresh full-path call, and with the fp64 reference."""
     from tritonattn import interface, ops
@@ -365,6 +366,8 @@ def test_training_calls_replay_through_the_linked_plan(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(interface, "_validated", lambda *a: pytest.fail(f"case {i}: the linked call took the checks"))
             m.setattr(ops, "forward", lambda *a: pytest.fail(f"case {i}: the linked call took the launcher"))
+            # (the launchers' keys hold it: the backward too replays the plan linked to the entry key)
+            m.setattr(Variants, "signature", lambda *a: pytest.fail(f"case {i}: a launcher built its key"))
             got = step(ins, dout, kw)
         assert plan.hits == hits + 2, f"case {i}: the forward and the backward did not both replay"
         results.append((ins, dout, kw, got))
@@ -392,9 +395,10 @@ def _ref_and_grads(ins, dout, kw, upcast):
 
 def test_training_link_keeps_autograd_and_the_checks_for_other_calls():
     """A training call's remembered key covers calls that match it only, and the replay is a real
-    autograd node: an input that does not require grad gets none, create_graph still raises, a call
-    under no_grad or of another dtype takes its own path (the dtype's checks raise), a dropout call
-    is never remembered (its seed is drawn per call)."""
+    autograd node: an input that does not require grad gets none, a dO of other strides takes its
+    own backward plan, create_graph still raises, a call under no_grad or of another dtype takes its
+    own path (the dtype's checks raise), a dropout call is never remembered (its seed is drawn per
+    call)."""
     from tritonattn import interface
 
     gen = torch.Generator().manual_seed(5)
@@ -408,6 +412,13 @@ def test_training_link_keeps_autograd_and_the_checks_for_other_calls():
     out = flash_attn_func(q, k2, v, causal=True)
     dq, dv = torch.autograd.grad(out.float().sum(), (q, v))
     assert k2.grad is None and torch.isfinite(dq).all() and torch.isfinite(dv).all()
+    # the backward's link holds dO's layout: a dO of other strides after a contiguous one
+    out = flash_attn_func(q, k, v, causal=True)
+    d1 = torch.randn_like(out)
+    d2 = d1.transpose(1, 2).contiguous().transpose(1, 2)
+    g1 = torch.autograd.grad(out, (q, k, v), d1, retain_graph=True)
+    g2 = torch.autograd.grad(out, (q, k, v), d2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     out = flash_attn_func(q, k, v, causal=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.float().sum(), (q,), create_graph=True)

@@ -246,12 +246,13 @@ def test_inference_calls_replay_through_the_linked_plan(monkeypatch):
 def test_training_calls_replay_through_the_linked_plan(monkeypatch):
     """4-d calls without a mask that need gradients: the first call with a key (tagged "sdpa-grad")
     takes the checks and links the key to its launch plan; the next call reuses its checked Variants
-    (the checks and the remembered checks' key would fail) and replays the plan (the full forward would fail), then the backward.
-    Outputs and gradients against a fresh full-path call (bitwise) and torch in fp64; a float mask
-    (a bias) or a bool mask takes the full path."""
+    (the checks and the remembered checks' key would fail) and replays the plan (the full forward
+    would fail), then the backward. Outputs and gradients against a fresh full-path call (bitwise)
+    and torch in fp64; a float mask (a bias) or a bool mask takes the full path."""
     from tritonattn import interface, ops
     from tritonattn.integrations import sdpa
     from tritonattn.kernels import plan
+    from tritonattn.kernels.variants import Variants
 
     def make(seed, Sq, Sk, Hkv):
         gen = torch.Generator().manual_seed(seed)
@@ -278,6 +279,7 @@ def test_training_calls_replay_through_the_linked_plan(monkeypatch):
             m.setattr(interface, "_check_qkv", None)
             m.setattr(interface, "_signature", None)  # (the remembered checks' key)
             m.setattr(ops, "forward", None)
+            m.setattr(Variants, "signature", None)  # (the launchers' keys: both passes replay linked plans)
             got = step(ins, dout, kw)
         assert plan.hits == hits + 2, f"case {i}: the forward and the backward did not both replay"
         results.append((ins, dout, kw, got))

@@ -409,8 +409,9 @@ def flash_attn_func(
 
 
 # A training call's key (_fast_key's ``grad`` tag) -> the Variants its first call was checked into,
-# shared by the later calls with that key (read only: no launcher writes to a Variants; ctx.var of
-# each call's autograd node). Such a call skips the checks and FlashAttnFunction.forward replays the
+# shared by the later calls with that key (read only: such calls have no bias, the one field ops.forward
+# writes, and the entry points set fast_key / free_key and masks on fresh objects only; ctx.var of each
+# call's autograd node). Such a call skips the checks and FlashAttnFunction.forward replays the
 # forward's plan linked to the key (fwd.replay_linked), as an inference call does.
 _DENSE_GRAD = "dense-grad"
 _GRAD_VARS: dict = {}

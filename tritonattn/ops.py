@@ -26,9 +26,12 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packing: str, var: Variants, return_probs: bool, t0, t1, t2, bias):
         tensors = (t0, t1, t2)
-        # a training call with an entry point's key (only flash_attn_func's calls that need a gradient
-        # carry one here): the plan its launcher linked to it, once linked
-        res = None if var.fast_key is None else replay_linked(var.fast_key, t0, t1, t2)
+        # a training call with an entry point's key (flash_attn_func's and the SDPA drop-in's calls that
+        # need a gradient, unpacked, without bias or probabilities: the only ones that carry one here):
+        # the plan its launcher linked to it, once linked
+        res = None
+        if var.fast_key is not None and packing == "none" and bias is None and not return_probs:
+            res = replay_linked(var.fast_key, t0, t1, t2)
         if res is None:
             out, lse, probs = forward(packing, var, return_probs, tensors, bias)
         else:

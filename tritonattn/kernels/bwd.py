@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tritonattn import autotune, configs
-from tritonattn.kernels import plan
+from tritonattn.kernels import kept, plan
 from tritonattn.kernels.common import (
     LENGTH_CAP,
     LOG2E,
@@ -694,6 +694,10 @@ def attention_probs(q, k, v, lse, var: Variants):
     return out
 
 
+# the backward's delta = rowsum(dO * O): written and read within one call's launches (see kernels/kept.py)
+_deltas = kept.Kept()
+
+
 def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, dv=None, bias_shape=None):
     """Launch the backward. Gradients are written into dq/dk/dv when given (views of a packed
     gradient, any strides), else into new tensors shaped like q/k/v. ``bias_shape`` (the shape of
@@ -714,8 +718,20 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     aligned = (TMA or GLUON) and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0
     if aligned:
         _need_allocator()
-    key = None  # no plan for dBias or the atomic dQ path (torch ops between the launches)
+    key = link = None  # no plan for dBias or the atomic dQ path (torch ops between the launches)
     if bias_shape is None and not atomic_dq:
+        if var.fast_key is not None and dq is None and dk is None and dv is None:
+            # a training call with an entry point's key (interface._fast_key's grad tags), which holds
+            # all that the key below is made of but dO's layout and alignment and this module's
+            # switches (out and lse: the forward's, a function of that key): the plan linked to it
+            link = (var.fast_key, do.shape, do.stride(), aligned, fused_mode, desc_3d, split_waits, section,
+                    kv_split_env, configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
+                    configs.BATCH_INVARIANT, SPLIT_DIAG_ROWS)
+            entry = plan.linked(link)
+            if entry is not None:
+                res = entry[0].run(inputs, q.device)
+                if res is not None:
+                    return (*res, None)
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
                configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
@@ -724,6 +740,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
+            if link is not None:
+                plan.link(link, key)
             return (*res, None)
     b = plan.Builder(key, inputs)
     tma = TMA and aligned and _tma_ok(q, k, v, var, q, do)
@@ -804,8 +822,9 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         its own dense call gives; not on the atomic-dQ path (one dQ accumulator, and no such promise)."""
         return length_classes(route, max(Sq, Sk), breaks, packed=var.varlen and not atomic_dq)
 
-    # delta shares lse's strides (the kernels index both with them)
-    delta = b.alloc(torch.empty, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
+    # delta shares lse's strides (the kernels index both with them); it lives within the call: kept
+    # per stream (kernels/kept.py), no allocation
+    delta = b.alloc(_deltas, lse.shape, torch.float32, lse.device) if lse.is_contiguous() else \
         b.unplanned(torch.empty_like(lse))
     dkdv_classes = classes(dkdv_route)
     # the classes whose Gluon dK/dV kernel computes dQ too (FUSED_DQ): the longest ones (the route is
@@ -918,7 +937,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if atomic_dq and not fused:
         dq.copy_(dqa.mul_(var.softmax_scale))
     if key is not None:
-        return (*b.finish((dq, dk, dv)), None)
+        res = b.finish((dq, dk, dv))
+        if link is not None:  # (once recorded: plan.link links only a kept plan)
+            plan.link(link, key)
+        return (*res, None)
 
     dbias = None
     if bias_shape is not None:
