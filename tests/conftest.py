@@ -102,11 +102,18 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)
     # buffers kept per stream across calls (kernels/kept.py) that kernels read: fresh ones, whose
-    # blocks come from the NaN allocations above (an earlier call's values would hide a missed write)
+    # (uint8) blocks start as 0xff bytes, a NaN in fp16 / bf16 / fp32 (an earlier call's values
+    # would hide a missed write)
     from tritonattn.kernels import bwd, decode, kept
 
+    def nan_block(shape, dtype, device):
+        t = real_empty(shape, dtype=dtype, device=device)
+        return t.fill_(255) if dtype == torch.uint8 else t.fill_(float("nan"))
+
     for module, name in ((bwd, "_deltas"), (decode, "_o_parts"), (decode, "_lse_parts")):
-        monkeypatch.setattr(module, name, kept.Kept())
+        buffers = kept.Kept()
+        buffers._fresh = nan_block
+        monkeypatch.setattr(module, name, buffers)
 
 
 def check_against_reference(q, k, v, out, lse, grads, dout, causal, softmax_scale=None, bias=None, dbias=None,

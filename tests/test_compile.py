@@ -70,6 +70,48 @@ def test_opcheck_forward_op():
     torch.library.opcheck(attention_fwd_op, args)
 
 
+def test_ops_replay_the_plans_linked_to_their_keys(monkeypatch):
+    """The ops' dense calls without tensor options (what a compiled flash_attn_func / SDPA calls at
+    run time) link a key of their arguments to the launchers' plans (ops._op_key): a later call with
+    that key replays them without building a Variants (forward) or the launchers' keys (both), and
+    gives bitwise a fresh call's results; a call that differs in an option, or the backward's out of
+    other strides, takes its own plan."""
+    from tritonattn import ops
+    from tritonattn.kernels import plan
+    from tritonattn.kernels.variants import Variants
+    from tritonattn.ops import attention_bwd_op
+
+    q, k, v = (t.detach() for t in _inputs())
+    options = [(32 ** -0.5, None, 0, 0.0, 0.0, 0), (0.3, 5, 0, 0.0, 0.0, 0), (0.3, None, None, 4.0, 0.0, 0)]
+    plan.clear()
+    runs = []
+    for opts in options:
+        out, lse = attention_fwd_op(q, k, v, None, None, None, None, *opts)  # records and links
+        dout = torch.randn_like(out)
+        attention_bwd_op(dout, q, k, v, out, lse, None, None, None, None, *opts, False)
+        hits = plan.hits
+        with monkeypatch.context() as m:
+            m.setattr(Variants, "signature", lambda *a: pytest.fail("a launcher built its key"))
+            m.setattr(ops, "_variants", lambda *a: pytest.fail("the forward took its full path"))
+            got = attention_fwd_op(q, k, v, None, None, None, None, *opts)
+        with monkeypatch.context() as m:
+            m.setattr(Variants, "signature", lambda *a: pytest.fail("a launcher built its key"))
+            grads = attention_bwd_op(dout, q, k, v, *got, None, None, None, None, *opts, False)
+        assert plan.hits == hits + 2
+        runs.append((opts, dout, got, grads))
+    for opts, dout, got, grads in runs:
+        plan.clear()
+        fresh = attention_fwd_op(q, k, v, None, None, None, None, *opts)
+        fresh_grads = attention_bwd_op(dout, q, k, v, *fresh, None, None, None, None, *opts, False)
+        assert all(torch.equal(a, b) for a, b in zip((*got, *grads[:3]), (*fresh, *fresh_grads[:3]))), opts
+        out_t = fresh[0].transpose(1, 2).contiguous().transpose(1, 2)  # out of other strides, same values
+        again = attention_bwd_op(dout, q, k, v, out_t, fresh[1], None, None, None, None, *opts, False)
+        assert all(torch.equal(a, b) for a, b in zip(again[:3], fresh_grads[:3])), opts
+    from tritonattn.testing import attention_ref
+    ref, _ = attention_ref(q, k, v, causal=True)
+    assert torch.allclose(runs[0][2][0].double(), ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_attn_func_compiles_fullgraph(causal):
     _eager_vs_compiled(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=(8, -1), softcap=5.0),

@@ -432,6 +432,37 @@ def test_training_link_keeps_autograd_and_the_checks_for_other_calls():
     assert not torch.equal(a, b) and len(interface._GRAD_VARS) == 1
 
 
+@pytest.mark.parametrize("hooked_first", [True, False], ids=["hooked-first", "plain-first"])
+def test_training_link_follows_saved_tensor_hooks(hooked_first):
+    """A saved-tensor hook (activation offloading: torch.autograd.graph.save_on_cpu, FSDP's offload)
+    may give the backward copies of q, k, v of other strides than the forward's: calls with one
+    entry key, some hooked, some not (q, k, v non-dense views of a packed projection, the hook's
+    copies contiguous), give each the gradients of a fresh full-path call, bitwise (the backward's
+    link holds the saved tensors' strides: without them one layout's plan replays on the other)."""
+    from tritonattn import interface
+
+    def step(seed, hooked):
+        gen = torch.Generator().manual_seed(seed)
+        qkv = _randn(gen, 1, 40, 3, 2, 16).requires_grad_()
+        dout = _randn(gen, 1, 40, 2, 16)
+        q, k, v = qkv.unbind(2)
+        if hooked:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t):
+                out = flash_attn_func(q, k, v, causal=True)
+        else:
+            out = flash_attn_func(q, k, v, causal=True)
+        return torch.autograd.grad(out, (qkv,), dout)[0]
+
+    plan.clear()
+    interface._GRAD_VARS.clear()
+    order = [hooked_first] * 3 + [not hooked_first] * 2 + [hooked_first]
+    got = [step(i, hooked) for i, hooked in enumerate(order)]
+    for i, hooked in enumerate(order):
+        plan.clear()
+        interface._GRAD_VARS.clear()
+        assert torch.equal(got[i], step(i, hooked)), f"call {i} (hooked: {hooked})"
+
+
 def test_inference_lse_nobody_reads_goes_to_a_kept_buffer():
     """An inference call that does not return its lse writes it to one kept buffer (no allocation per
     call; fwd._discarded); a call that returns it gets its own, which later calls do not touch

@@ -722,10 +722,13 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     if bias_shape is None and not atomic_dq:
         if var.fast_key is not None and dq is None and dk is None and dv is None:
             # a training call with an entry point's key (interface._fast_key's grad tags), which holds
-            # all that the key below is made of but dO's layout and alignment and this module's
-            # switches (out and lse: the forward's, a function of that key): the plan linked to it
-            link = (var.fast_key, do.shape, do.stride(), aligned, fused_mode, desc_3d, split_waits, section,
-                    kv_split_env, configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
+            # the options, shapes and dtypes of the key below: the plan linked to it with the rest, the
+            # strides of the saved tensors (a saved-tensor hook, e.g. activation offloading, may give
+            # back copies of other strides than the forward's), dO's layout, the alignment bit and this
+            # module's switches
+            link = (var.fast_key, q.stride(), k.stride(), v.stride(), out.stride(), lse.stride(), do.shape,
+                    do.stride(), aligned, fused_mode, desc_3d, split_waits, section, kv_split_env,
+                    configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
                     configs.BATCH_INVARIANT, SPLIT_DIAG_ROWS)
             entry = plan.linked(link)
             if entry is not None:
