@@ -121,11 +121,15 @@ def _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind,
     return var
 
 
-def _op_key(tag: str, q, k, v, options: tuple) -> tuple | None:
+def _op_key(tag: str, q, k, v, options: tuple, tensor_options: tuple) -> tuple | None:
     """Key of an op's dense call without tensor options (the ops' arguments are typed by their
     schema): the tensors' shapes, strides, dtypes and devices, whether they are 16-byte aligned, the
     options and the forward launcher's switches, all that its launchers' keys are functions of (as
-    interface._fast_key's for the eager entry points). None for tensors without storage."""
+    interface._fast_key's for the eager entry points). None when a tensor option (``tensor_options``:
+    bias, mask, ALiBi, seed, cu_seqlens, block table) is given, or for tensors without storage."""
+    for t in tensor_options:
+        if t is not None:
+            return None
     try:
         kv_ptrs = k.data_ptr() | v.data_ptr()
         q_ptr = q.data_ptr()
@@ -143,14 +147,12 @@ def attention_fwd_op(
     cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
     max_seqlen_k: int = 0, deterministic: bool = False, block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = None
-    if (bias is None and mask is None and alibi is None and seed is None and cu_seqlens_q is None
-            and block_table is None):  # a dense call without tensor options: the plan linked to its key
-        key = _op_key("op-fwd", q, k, v, (softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind,
-                                          deterministic))
-        res = None if key is None else replay_linked(key, q, k, v)
-        if res is not None:
-            return res
+    # a dense call without tensor options: the plan linked to its key
+    key = _op_key("op-fwd", q, k, v, (softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, deterministic),
+                  (bias, mask, alibi, seed, cu_seqlens_q, block_table))
+    res = None if key is None else replay_linked(key, q, k, v)
+    if res is not None:
+        return res
     var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
     var.fast_key = key  # (the launcher links it to its plan)
@@ -182,12 +184,11 @@ def attention_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     var = _variants(softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, alibi, mask, seed,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)
-    if bias is None and mask is None and alibi is None and seed is None and cu_seqlens_q is None:
-        # a dense call without tensor options: the backward launcher's link (its key with dO's layout)
-        # holds this key, which holds out's and lse's layouts too (the graph passes them)
-        key = _op_key("op-bwd", q, k, v, (softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind,
-                                          deterministic))
-        var.fast_key = None if key is None else (key, out.shape, out.stride(), lse.shape, lse.stride())
+    # a dense call without tensor options: the backward launcher's link (its key with dO's layout)
+    # holds this key, which holds out's and lse's layouts too (the graph passes them)
+    key = _op_key("op-bwd", q, k, v, (softmax_scale, win_left, win_right, softcap, dropout_p, mask_kind, deterministic),
+                  (bias, mask, alibi, seed, cu_seqlens_q))
+    var.fast_key = None if key is None else (key, out.shape, out.stride(), lse.shape, lse.stride())
     if bias is not None:
         var.bias = bias.expand(var.score_shape(q, k))
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, var,

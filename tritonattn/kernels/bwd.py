@@ -720,26 +720,24 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         _need_allocator()
     key = link = None  # no plan for dBias or the atomic dQ path (torch ops between the launches)
     if bias_shape is None and not atomic_dq:
+        # this module's switches and the alignment bit, in both keys below
+        # (heads_first's other inputs are in the keys; MAX_GRID_YZ: see fwd.py)
+        switches = (aligned, configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
+                    configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, kv_split_env)
         if var.fast_key is not None and dq is None and dk is None and dv is None:
             # a training call with an entry point's key (interface._fast_key's grad tags), which holds
             # the options, shapes and dtypes of the key below: the plan linked to it with the rest, the
             # strides of the saved tensors (a saved-tensor hook, e.g. activation offloading, may give
-            # back copies of other strides than the forward's), dO's layout, the alignment bit and this
-            # module's switches
+            # back copies of other strides than the forward's), dO's layout and the switches
             link = (var.fast_key, q.stride(), k.stride(), v.stride(), out.stride(), lse.stride(), do.shape,
-                    do.stride(), aligned, fused_mode, desc_3d, split_waits, section, kv_split_env,
-                    configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-                    configs.BATCH_INVARIANT, SPLIT_DIAG_ROWS)
+                    do.stride(), switches)
             entry = plan.linked(link)
             if entry is not None:
                 res = entry[0].run(inputs, q.device)
                 if res is not None:
                     return (*res, None)
         key = ("bwd", do.shape, do.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-               out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(),
-               configs.HEADS_FIRST, aligned, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-               configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, kv_split_env,
-               # (heads_first's other inputs are in the key; MAX_GRID_YZ: see fwd.py)
+               out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, var.signature(), switches,
                *(None if g is None else (g.shape, g.stride()) for g in (dq, dk, dv)))
         res = plan.replay(key, inputs, q.device)
         if res is not None:  # the same signature as an earlier call (every training step): replayed
