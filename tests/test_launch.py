@@ -177,31 +177,34 @@ def test_descriptor_scratch_kept_per_stream(monkeypatch):
     under capture a fresh tensor every time (the graph's pool)."""
     from tritonattn.kernels import fwd, kept
 
-    made, real_empty = [], torch.empty
+    # the patches (torch.empty, the current device among them) are undone when the body ends: an autouse
+    # fixture's teardown that asks torch about the current device must not see device 1 (GPU run, 2026-12-07)
+    with monkeypatch.context() as m:
+        made, real_empty = [], torch.empty
 
-    def empty(size, dtype, device):
-        made.append(size)
-        return real_empty(size, dtype=dtype)  # (CPU stand-ins)
+        def empty(size, dtype, device):
+            made.append(size)
+            return real_empty(size, dtype=dtype)  # (CPU stand-ins)
 
-    capturing = [False]
-    monkeypatch.setattr(fwd.torch, "empty", empty)
-    monkeypatch.setattr(fwd.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # (CPU builds lack it)
-    monkeypatch.setattr(fwd, "_descriptor_scratch", kept.Kept(limit=fwd._SCRATCH_KEPT))
-    a = fwd._scratch(4096, 128, 7)
-    assert fwd._scratch(1000, 128, 7) is a and a.numel() >= 4096  # the same stream: reused
-    b = fwd._scratch(4096, 128, 8)
-    assert b is not a  # another stream: its own
-    big = fwd._scratch(a.numel() + 1, 128, 7)
-    assert big is not a and big.numel() > a.numel() and fwd._scratch(10, 128, 7) is big  # grown, then kept
-    monkeypatch.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 1, raising=False)
-    assert fwd._scratch(10, 128, 7) is not big  # the same stream handle on another device
-    n = len(made)
-    huge = fwd._SCRATCH_KEPT + 1  # a large request: fresh each time, not kept
-    kept = fwd._scratch(10, 128, 7)  # (device 1's, kept above)
-    assert fwd._scratch(huge, 128, 7) is not fwd._scratch(huge, 128, 7) and fwd._scratch(10, 128, 7) is kept
-    assert len(made) == n + 2
-    n = len(made)
-    capturing[0] = True
-    c, d = fwd._scratch(10, 128, 7), fwd._scratch(10, 128, 7)
-    assert c is not d and len(made) == n + 2 and c.numel() == 10  # under capture: fresh, exact
+        capturing = [False]
+        m.setattr(fwd.torch, "empty", empty)
+        m.setattr(fwd.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+        m.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # (CPU builds lack it)
+        m.setattr(fwd, "_descriptor_scratch", kept.Kept(limit=fwd._SCRATCH_KEPT))
+        a = fwd._scratch(4096, 128, 7)
+        assert fwd._scratch(1000, 128, 7) is a and a.numel() >= 4096  # the same stream: reused
+        b = fwd._scratch(4096, 128, 8)
+        assert b is not a  # another stream: its own
+        big = fwd._scratch(a.numel() + 1, 128, 7)
+        assert big is not a and big.numel() > a.numel() and fwd._scratch(10, 128, 7) is big  # grown, then kept
+        m.setattr(fwd.torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+        assert fwd._scratch(10, 128, 7) is not big  # the same stream handle on another device
+        n = len(made)
+        huge = fwd._SCRATCH_KEPT + 1  # a large request: fresh each time, not kept
+        kept = fwd._scratch(10, 128, 7)  # (device 1's, kept above)
+        assert fwd._scratch(huge, 128, 7) is not fwd._scratch(huge, 128, 7) and fwd._scratch(10, 128, 7) is kept
+        assert len(made) == n + 2
+        n = len(made)
+        capturing[0] = True
+        c, d = fwd._scratch(10, 128, 7), fwd._scratch(10, 128, 7)
+        assert c is not d and len(made) == n + 2 and c.numel() == 10  # under capture: fresh, exact
