@@ -10,8 +10,7 @@ host's per-call work, which bounds the short caches of eager calls (and a forced
 launcher's full path, without its launch plan).
 
 ``--default-tile`` times only the table's tile, ``--splits`` given split counts (the table says how
-many were taken: a split's keys are rounded up to configs.DECODE_SPLIT_GRANULE, ``--granules 0 16``
-times each count with each granule), ``--flush read``
+many were taken: a split's keys are rounded up to the tile's BLOCK_N), ``--flush read``
 flushes the L2 by a read (see ``bench``), ``--paged P`` reads the cache through a block table of
 P-row pages in shuffled order (a serving engine's page pool after some traffic; the peers read the
 contiguous cache). With ``--cuda-graphs`` the first rows are the floor: a
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import os
 import sys
 
@@ -57,17 +55,11 @@ def main(argv=None) -> int:
                         "dependent launch (TRITONATTN_DECODE_PDL)")
     p.add_argument("--default-tile", action="store_true", help="only the table's decode tile")
     p.add_argument("--splits", type=int, nargs="+", help="split counts (default: the heuristic's x 1/2, 1, 2, 4)")
-    p.add_argument("--granules", type=int, nargs="+",
-                   help="split granules to time each split count with (configs.DECODE_SPLIT_GRANULE: each split's "
-                        "keys a multiple of this many, 0: of the tile's BLOCK_N; default: the configured one)")
     p.add_argument("--paged", type=int, default=0, help="pages of this many rows (0: a contiguous cache)")
     p.add_argument("--flush", choices=["write", "read"], default="write",
                    help="how the L2 is flushed before each timed call (see bench())")
     args = p.parse_args(argv)
-    if args.granules and min(args.granules) < 0:
-        p.error("--granules: whole numbers of keys >= 0 (0: the tile's BLOCK_N)")
-    pdl_default, granule_default = configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE
-    granules = args.granules or [granule_default]
+    pdl_default = configs.DECODE_PDL
 
     def timed(fn) -> float:
         if args.cuda_graphs:
@@ -115,11 +107,10 @@ def main(argv=None) -> int:
             tiles = [configs._DECODE[(128, 2)]] if args.default_tile else CANDIDATES
             for cfg in tiles:
                 for splits in args.splits or sorted({max(1, auto // 2), auto, auto * 2, auto * 4}):
-                    pdls = (False, True) if args.pdl and splits > 1 else (False,)
-                    for pdl, granule in itertools.product(pdls, granules):
-                        configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE = pdl, granule
+                    for pdl in (False, True) if args.pdl and splits > 1 else (False,):
+                        configs.DECODE_PDL = pdl
                         with configs.override(decode=cfg):
-                            taken = _splits(q, kc, L, splits, bool(args.paged))[0]  # after the granule's rounding
+                            taken = _splits(q, kc, L, splits, bool(args.paged))[0]  # after BLOCK_N's rounding
                             try:
                                 ms = timed(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=L,
                                                                            num_splits=splits, **kw))
@@ -127,15 +118,13 @@ def main(argv=None) -> int:
                                 print(f"{cfg} {splits}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                                       file=sys.stderr)
                                 continue
-                        label = str(tuple(cfg)) + (" pdl" if pdl else "") + (
-                            f" granule {granule}" if len(granules) > 1 or granule != granule_default else "")
+                        label = str(tuple(cfg)) + (" pdl" if pdl else "")
                         rows.append(dict(B=B, L=L, config=label, splits=splits, taken=taken, ms=ms,
                                          gbps=gbytes / ms * 1e3))
-                        mark = (" (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl
-                                and granule == granule_default else "")
+                        mark = " (default)" if cfg == configs._DECODE[(128, 2)] and splits == auto and not pdl else ""
                         print(f"| {B} | {L} | {label}{mark} | {splits} -> {taken} | {ms:.4f} | "
                               f"{gbytes / ms * 1e3:.0f} | {ref / ms:.2f} |", flush=True)
-                    configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE = pdl_default, granule_default
+                    configs.DECODE_PDL = pdl_default
             q = kc = vc = None  # noqa: F841
             torch.cuda.empty_cache()
     name = ("tune-decode-cuda-graphs" if args.cuda_graphs else "tune-decode") + (

@@ -343,19 +343,14 @@ def test_kvcache_rows_and_pages_out_of_the_cache(monkeypatch):
         flash_attn_with_kvcache(q, pc, pv, cache_seqlens=lens, block_table=torch.tensor([[0, 1], [2, 4]], **i32))
 
 
-@pytest.mark.parametrize("granule", [0, 24], ids=["block_n", "granule24"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
 @pytest.mark.parametrize("Sq,causal,extra", [(1, True, {}), (4, True, dict(softcap=15.0)), (2, False, dict(alibi=True)),
                                              (3, True, dict(window_size=(40, 0)))],
                          ids=["decode1", "spec4-softcap", "q2-alibi", "q3-window"])
-def test_split_kv_decoding(paged, Sq, causal, extra, granule, poison, monkeypatch):
+def test_split_kv_decoding(paged, Sq, causal, extra, poison, monkeypatch):
     """The decoding kernel with num_splits 0 (picked), 1 (one split, the output written by the
-    kernel itself), 3 and 7 against the forward kernel and the reference; splits of a multiple of the
-    tile's BLOCK_N, or of 24 keys (configs.DECODE_SPLIT_GRANULE: 7 splits of 24 over 160 rows, whose
-    tiles start off the tile's and the pages' boundaries)."""
+    kernel itself), 3 and 7 against the forward kernel and the reference."""
     from tritonattn import inference
-
-    monkeypatch.setattr(configs, "DECODE_SPLIT_GRANULE", granule)
 
     gen = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
@@ -486,54 +481,6 @@ def test_split_partials_kept_between_calls(Sq, group, D, splits, dtype, poison, 
     again = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits,
                                     return_softmax_lse=True)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-
-
-def test_split_granule_keeps_the_split_count(monkeypatch):
-    """A split's keys are a multiple of configs.DECODE_SPLIT_GRANULE (0: of the tile's BLOCK_N): at
-    4224 keys 16 splits asked for stay 16 (of 272 keys) with a granule of 16, where BLOCK_N's
-    rounding takes fewer; the splits cover every key; a bad TRITONATTN_DECODE_SPLIT_GRANULE is an
-    error that names it."""
-    from tritonattn.kernels import decode
-
-    q = torch.randn(1, 1, 32, 128, device=DEVICE).to(F16)
-    k = torch.empty(1, 4224, 8, 128, device=DEVICE, dtype=F16)
-    block_n = configs.decode_config(q).block_n
-    for granule, want_len in ((16, 272), (0, -(-264 // block_n) * block_n)):
-        monkeypatch.setattr(configs, "DECODE_SPLIT_GRANULE", granule)
-        splits, split_len = decode._splits(q, k, 4224, 16, False)
-        assert split_len == want_len and splits == -(-4224 // want_len), (granule, splits, split_len)
-        assert (splits - 1) * split_len < 4224 <= splits * split_len
-    assert block_n <= 16 or decode._splits(q, k, 4224, 16, False)[0] < 16  # (what the granule is for)
-    for bad in ("x", "-16", "1.5"):
-        monkeypatch.setenv("TRITONATTN_DECODE_SPLIT_GRANULE", bad)
-        with pytest.raises(ValueError, match="TRITONATTN_DECODE_SPLIT_GRANULE"):
-            configs._split_granule()
-    monkeypatch.setenv("TRITONATTN_DECODE_SPLIT_GRANULE", "64")
-    assert configs._split_granule() == 64
-
-
-def test_split_granule_changed_between_calls(monkeypatch):
-    """A granule changed at run time (as scripts/tune_decode.py does) is in the entry points' keys:
-    a shape linked to its plan under one granule takes the other granule's splits afterwards, bitwise
-    what the full path gives with it (under the interpreter's 32-key tile split_len 288 against 300:
-    another order of the sums)."""
-    from tritonattn import flash_attn_func
-    from tritonattn.kernels import plan
-
-    torch.manual_seed(0)
-    q = torch.randn(1, 1, 2, 16, device=DEVICE).to(F16)
-    k, v = (torch.randn(1, 1100, 1, 16, device=DEVICE).to(F16) for _ in range(2))
-    for _ in range(3):  # recorded and linked at granule 0
-        flash_attn_func(q, k, v, causal=True)
-    monkeypatch.setattr(configs, "DECODE_SPLIT_GRANULE", 100)
-    outs = [flash_attn_func(q, k, v, causal=True) for _ in range(3)]
-    with monkeypatch.context() as m:
-        m.setattr(plan, "replay", lambda *args, **kwargs: None)
-        m.setattr(plan, "linked", lambda *args, **kwargs: None)
-        full = flash_attn_func(q, k, v, causal=True)
-    for out in outs:
-        assert torch.equal(out, full)
-    check_against_reference(q, k, v, full, None, None, None, True)
 
 
 def test_pick_num_splits(monkeypatch):

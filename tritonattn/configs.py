@@ -151,30 +151,6 @@ def dense_decode(Sq: int, Sk: int, Hq: int, Hkv: int) -> bool:
 # graphs of short caches lose that much, eager steps gain more.
 DECODE_ONE_SPLIT_KEYS: int = 1024
 
-
-def _split_granule() -> int:
-    value = getenv("TRITONATTN_DECODE_SPLIT_GRANULE")
-    if value is None or not value.strip():
-        return 0
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"TRITONATTN_DECODE_SPLIT_GRANULE must be a whole number of keys >= 0 (0: the decoding "
-                         f"tile's BLOCK_N), got {value!r}")
-    return n
-
-
-# Split-KV decoding (kernels/decode.py): each split's keys are a multiple of this many (0: of the
-# decoding tile's BLOCK_N). Rounded up to BLOCK_N, a split count is lost at some lengths: B=1, Hkv=8
-# on 132 SMs, the heuristic's 16 splits at 4224 keys become 11 of 384 (over lengths 1100-16384 the
-# splits fill 94% of the count asked for on average, 69% at worst; forty-first session's notes); a
-# finer granule keeps the count (the kernel's loop masks a split's last tile either way, so any
-# granule is exact). TRITONATTN_DECODE_SPLIT_GRANULE (keys), read once here; in the decoding plans'
-# keys (scripts/tune_decode.py --granules sets it). 0 until measured on the GPU.
-DECODE_SPLIT_GRANULE: int = _split_granule()
-
 # Split-KV decoding's combine kernel (kernels/decode.py) through programmatic dependent launch
 # (sm_90): it is launched while the split kernel runs and waits for it on the device (griddepcontrol),
 # instead of starting after the split grid's end; for the short decoding steps where a launch gap is

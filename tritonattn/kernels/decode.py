@@ -392,11 +392,11 @@ def decode_forward(q, k, v, var: Variants, capacity: int, num_splits: int, new: 
     if var.kv_lens is None and var.block_table is None and new is None:  # every row's keys: the whole cache
         values = _dense_values(k, v, split_len, capacity)
         key = ("decode-dense", q.shape, q.stride(), k.shape[0], k.shape[2:], v.shape[0], v.shape[2:], q.dtype,
-               q.device, var.signature(), configs.DECODE_SPLIT_GRANULE, splits, configs.DECODE_PDL)
+               q.device, var.signature(), splits, configs.DECODE_PDL)
     else:
         values = ()
         key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               var.signature(), capacity, splits, configs.DECODE_PDL, configs.DECODE_SPLIT_GRANULE,
+               var.signature(), capacity, splits, configs.DECODE_PDL,
                new and (*((None if t is None else (t.shape, t.stride(), t.dtype)) for t in new[:4]), *new[4:]))
     res = plan.replay(key, inputs, q.device, values)
     if res is None:  # a new signature (else the same as an earlier call's, every step of a decoding loop)
@@ -466,16 +466,16 @@ def _dense_values(k, v, split_len: int, capacity: int) -> tuple:
 
 def _splits(q, k, capacity: int, num_splits: int, paged: bool) -> tuple[int, int]:
     """``(splits, split_len)``: how many key splits a call takes (``num_splits``, capped at
-    MAX_SPLITS, or the heuristic's for 0) and the keys of each, a multiple of
-    configs.DECODE_SPLIT_GRANULE (0: of the tile's BLOCK_N)."""
+    MAX_SPLITS, or the heuristic's for 0) and the keys of each, a multiple of the tile's BLOCK_N
+    (a finer multiple, measured on the GPU, loses: benchmarks/NOTES.md, forty-fourth session)."""
     B, _, Hq, _ = q.shape
     Hkv = k.shape[2]
     if num_splits > 0:
         splits = min(num_splits, MAX_SPLITS)
     else:
         splits = pick_num_splits(B, Hkv, capacity, q.device, paged)
-    granule = configs.DECODE_SPLIT_GRANULE or configs.decode_config(q).block_n
-    split_len = cdiv(cdiv(capacity, splits), granule) * granule
+    block_n = configs.decode_config(q).block_n
+    split_len = cdiv(cdiv(capacity, splits), block_n) * block_n
     return cdiv(capacity, split_len), split_len
 
 

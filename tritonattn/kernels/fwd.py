@@ -392,7 +392,7 @@ def plan_flags() -> tuple:
     # (a traced launch passes a buffer no plan holds: never replayed)
     return (TMA, WS, configs.HEADS_FIRST, configs.BATCH_INVARIANT, GLUON, GLUON_VARLEN, fwd_sm90.TRACE_BUF is not None,
             configs.DENSE_DECODE, configs.DENSE_DECODE_ROWS, configs.DENSE_DECODE_MIN_KEYS,
-            configs.DECODE_PDL, configs.DECODE_ONE_SPLIT_KEYS, configs.DECODE_SPLIT_GRANULE)
+            configs.DECODE_PDL, configs.DECODE_ONE_SPLIT_KEYS)
 
 
 def _decode():
