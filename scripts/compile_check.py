@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
     def run_case(D, dtype, var, bias_grad=False, probs=False, varlen=False, atomic_dq=False, dq_tma=True, sq=None,
                  s=256, b=2, fused_dq=False, desc_3d=False, split_waits=None, section=None,
-                 expand_kv=False, fwd_only=False, kv_split=None):
+                 expand_kv=False, fwd_only=False, kv_split=None, first_store=False):
         # s: the sequence length (past configs.SHORT_SEQLEN a causal forward takes the table's tile);
         # b: the batch (enough rows x heads make a short forward without causal masking take its own tile)
         B, S, Hq, Hkv = b, s, 4, 2
@@ -213,6 +213,8 @@ def main(argv=None) -> int:
             os.environ["TRITONATTN_BWD_FUSED_SECTION"] = section
         if kv_split is not None:  # the Gluon dK/dV kernel's KV_SPLIT (configs.kv_split) forced
             os.environ["TRITONATTN_BWD_KV_SPLIT"] = kv_split
+        if first_store:  # the ordered fused dQ's first addition a store (TRITONATTN_BWD_DQ_FIRST_STORE)
+            os.environ["TRITONATTN_BWD_DQ_FIRST_STORE"] = "1"
         if split_waits is None:  # the library's default by head dim (configs.BWD_SPLIT_WAITS)
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
         else:
@@ -227,6 +229,7 @@ def main(argv=None) -> int:
             os.environ.pop("TRITONATTN_BWD_SPLIT_WAITS", None)
             os.environ.pop("TRITONATTN_BWD_FUSED_SECTION", None)
             os.environ.pop("TRITONATTN_BWD_KV_SPLIT", None)
+            os.environ.pop("TRITONATTN_BWD_DQ_FIRST_STORE", None)
         if probs:
             attention_probs(q, k, v, lse, var)
 
@@ -271,6 +274,11 @@ def main(argv=None) -> int:
                 (f"gluon-fused-dq-2d-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True, section="0")),
                 (f"gluon-fused-dq-varlen-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, varlen=True,
                                                                           fused_dq=True)),
+                # the experiment TRITONATTN_BWD_DQ_FIRST_STORE (key block 0 stores, no zero fill), both grids
+                (f"gluon-fused-dq-first-store-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,
+                                                                               first_store=True)),
+                (f"gluon-fused-dq-first-store-causal-2d-{dt}", 128, dtypes[dt], dict(base),
+                 dict(s=4096, gluon=True, fused_dq="all", first_store=True, section="0")),
                 # D=64 (128-row tiles; forced: no table entry there, the split dQ wins, NOTES twenty-seventh session)
                 # and the experiment TRITONATTN_BWD_FUSED_SECTION (a 1-d grid in sections of kv heads)
                 (f"gluon-fused-dq-sections-{dt}", 128, dtypes[dt], {}, dict(s=4096, gluon=True, fused_dq=True,

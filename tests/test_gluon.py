@@ -429,6 +429,67 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
     assert kwargs["SECTION"] == 0 and tuple(grid) == (7, 2 * 4) and not kwargs["FUSED_DQ"]
 
 
+@pytest.mark.parametrize("case,first", [("full", True), ("causal", True), ("causal-fewer-keys", False),
+                                        ("partial-block", False), ("switch-off", False), ("atomic", False),
+                                        ("varlen", False)])
+def test_fused_dq_first_store_launch(monkeypatch, case, first):
+    """TRITONATTN_BWD_DQ_FIRST_STORE (an experiment, off by default): the ordered fused dQ's launch
+    gets FIRST_STORE, and its fp32 buffer is left unwritten (here NaN) instead of zeroed, exactly where
+    key block 0's program writes every row block first (bwd._first_store_ok): dense calls with whole
+    query blocks, causal ones whose first query sees the first key; not for a partial last block, a
+    causal call with more queries than keys, the atomic dQ (no order), packed sequences, or with the
+    switch off. The switch is in the plan's key (the second call of each case replays)."""
+    from tritonattn.kernels import bwd_sm90, launch, plan
+
+    real_empty = torch.empty  # (unwritten buffers read as NaN)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype", torch.get_default_dtype()).is_floating_point else real_empty(*a, **kw))
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
+    if case != "switch-off":
+        monkeypatch.setenv("TRITONATTN_BWD_DQ_FIRST_STORE", "1")
+    if case == "atomic":
+        monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
+    monkeypatch.setattr(bwd, "GLUON", True)
+    monkeypatch.setattr(bwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+    monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, args, kwargs)))
+    block_m = bwd_sm90.TILES[128][0]
+    S = -(-configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][1] // block_m) * block_m  # (whole blocks, Gluon's lengths)
+    if case == "varlen":
+        cu = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+        q = torch.empty(2 * S, 8, 128, dtype=torch.bfloat16)
+        k, v = (torch.empty(2 * S, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+        var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
+        lse = torch.empty(8, 2 * S)
+    else:
+        Sq, Sk = {"partial-block": (S - 5, S - 5), "causal-fewer-keys": (S, S - block_m)}.get(case, (S, S))
+        q, k, v = qkv(Sq=Sq, Sk=Sk)
+        causal = case.startswith("causal")
+        var = Variants(softmax_scale=SCALE, win_right=0 if causal else None)
+        lse = torch.empty(2, 8, Sq)
+    do, out = torch.empty_like(q), torch.empty_like(q)
+    plan.clear()
+    # recorded, then replayed (the plan allocates as the recorded call did; under the interpreter a
+    # replay launches through launch.launch too), and for "full" once more with the switch off
+    for expect in (first, first, *((False,) if case == "full" else ())):
+        if not expect and case == "full":
+            monkeypatch.delenv("TRITONATTN_BWD_DQ_FIRST_STORE")
+        del seen[:]
+        hits = plan.hits
+        bwd.attention_backward(do, q, k, v, out, lse, var)
+        (kwargs,) = [kw for name, _, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+        assert kwargs["FUSED_DQ"] and kwargs["DETERMINISTIC"] == (case != "atomic"), kwargs
+        assert kwargs.get("FIRST_STORE", False) == expect, (case, kwargs.get("FIRST_STORE"), plan.hits - hits)
+        if case != "atomic":  # (the atomic path converts its buffer otherwise)
+            (dqa,) = [args[0] for name, args, _ in seen if name == "_bwd_dq_convert_kernel"]
+            assert bool(dqa.isnan().all()) == expect and bool((dqa == 0).all()) != expect, case
+    assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_left=100), 1024, 1024, block_m) is False
+    assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=-1), 1024, 1024, block_m) is False
+    assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=64), 1024, 1000, block_m) is True
+
+
 @pytest.mark.parametrize("value", ["x", "-2", "1.5"])
 def test_fused_dq_section_bad_value(value):
     """A TRITONATTN_BWD_FUSED_SECTION that is no count, 'auto' or 0: an error naming the variable."""

@@ -698,6 +698,18 @@ def attention_probs(q, k, v, lse, var: Variants):
 _deltas = kept.Kept()
 
 
+def _first_store_ok(var: Variants, Sq: int, Sk: int, block_m: int) -> bool:
+    """Whether the ordered fused dQ's first addition into every row block of its fp32 buffer may be a
+    store (FIRST_STORE), so that the buffer needs no zero fill: key block 0's program, first in each
+    block's order, must reach every query block of every head, and its stores must stay in their own
+    rows. So a dense call with whole query blocks (neither the heads' rows nor a packed call's
+    sequences are padded to a block: a partial last block's store would overwrite the next head's or
+    sequence's first rows, to which the reductions only add zeros), no left window (key 0 then leaves
+    the later queries' band) and, with a right edge (causal), query 0 seeing key 0."""
+    return (not var.varlen and Sq % block_m == 0 and var.win_left is None
+            and (var.win_right is None or Sk - Sq + var.win_right >= 0))
+
+
 def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, dv=None, bias_shape=None):
     """Launch the backward. Gradients are written into dq/dk/dv when given (views of a packed
     gradient, any strides), else into new tensors shaped like q/k/v. ``bias_shape`` (the shape of
@@ -711,6 +723,7 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     split_waits = configs.env_flag("TRITONATTN_BWD_SPLIT_WAITS", default=None)  # None: configs.BWD_SPLIT_WAITS
     section = configs.getenv("TRITONATTN_BWD_FUSED_SECTION")  # (bwd_sm90.section_order)
     kv_split_env = configs.getenv("TRITONATTN_BWD_KV_SPLIT")  # (configs.kv_split; N forces N, 1 off)
+    first_store = configs.env_flag("TRITONATTN_BWD_DQ_FIRST_STORE")  # (the ordered fused dQ: _first_store_ok)
     inputs = (do, q, k, v, out, lse, dq, dk, dv, *var.tensors())
     # descriptors (fwd._tma_ok): everything they depend on is in the plan's key but the tensors'
     # 16-byte alignment, which the key gets as one bit, so a replay needs no _tma_ok (9 us on a 2-core
@@ -723,7 +736,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         # this module's switches and the alignment bit, in both keys below
         # (heads_first's other inputs are in the keys; MAX_GRID_YZ: see fwd.py)
         switches = (aligned, configs.HEADS_FIRST, TMA, GLUON, GLUON_VARLEN, configs.DKDV_MASKED_STAGES,
-                    configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, kv_split_env)
+                    configs.BATCH_INVARIANT, fused_mode, SPLIT_DIAG_ROWS, desc_3d, split_waits, section, kv_split_env,
+                    first_store)
         if var.fast_key is not None and dq is None and dk is None and dv is None:
             # a training call with an entry point's key (interface._fast_key's grad tags), which holds
             # the options, shapes and dtypes of the key below: the plan linked to it with the rest, the
@@ -848,9 +862,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
     # launches, its sum kernel's included, are done before the next class's on the stream)
     partials = []
 
-    def launch_gluon(lo, hi, dqa=None, sem=None, split=1):
+    def launch_gluon(lo, hi, dqa=None, sem=None, split=1, first=False):
         """The Gluon dK/dV kernel on the length class [lo, hi); FUSED_DQ into ``dqa`` (with ``sem``:
-        ordered), or with ``split`` > 1 (KV_SPLIT) into fp32 partials, summed into dk / dv after."""
+        ordered; ``first``: key block 0 stores, FIRST_STORE), or with ``split`` > 1 (KV_SPLIT) into fp32
+        partials, summed into dk / dv after."""
         block_m, stages = bwd_sm90.TILES[D]
         gk, gv = dk, dv
         if split > 1:
@@ -875,7 +890,8 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
                       SPLIT_DIAG=block_m >= SPLIT_DIAG_ROWS,
                       DESC_3D=desc_3d,
                       SPLIT_WAITS=(D in configs.BWD_SPLIT_WAITS and dqa is None) if split_waits is None
-                      else split_waits, SECTION=sec, **({"KV_SPLIT": split} if split > 1 else {})))
+                      else split_waits, SECTION=sec, **({"KV_SPLIT": split} if split > 1 else {}),
+                      **({"FIRST_STORE": True} if first else {})))
         if split > 1:
             _launch_kv_sum(gk, gv, dk, dv, split, var, (lo, hi), b.launch)
 
@@ -885,12 +901,15 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         # address it as one matrix of rows) and gets dQ scaled; with the semaphores that order the
         # additions unless the call opted into atomics. Its conversion into dq writes the other classes'
         # rows as zeros, which the dQ kernel (after) overwrites with theirs
-        dqa = b.alloc(torch.zeros, (Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D), torch.float32,
-                      q.device)
+        # (TRITONATTN_BWD_DQ_FIRST_STORE, off by default: the ordered additions' first one a store, and the
+        # buffer unwritten where that first one reaches every row, _first_store_ok)
+        first = first_store and not atomic_dq and _first_store_ok(var, Sq, Sk, bwd_sm90.TILES[D][0])
+        dqa = b.alloc(torch.empty if first else torch.zeros, (Hq, q.shape[0], D) if var.varlen else (B, Hq, Sq, D),
+                      torch.float32, q.device)
         cu = (var.cu_seqlens_q, var.cu_seqlens_k) if var.varlen else None
         sem = None if atomic_dq else b.alloc(torch.zeros, (bwd_sm90.sem_blocks(q, cu),), torch.int32, q.device)
         for lo, hi in fused:
-            launch_gluon(lo, hi, dqa, sem)
+            launch_gluon(lo, hi, dqa, sem, first=first)
         _convert_dq(dqa, dq, var, b.launch)
     if not atomic_dq and split_below > 0:
         # dQ before dK / dV (its programs compute delta, rowsum(dO * O), for the dK/dV kernels)

@@ -309,7 +309,8 @@ def _split_consumer_ds(DK, stride_dkn, start_n, Sk, GROUP, lo_blk, n_m, sm_scale
 
 @gluon.jit
 def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk, dq_stage,
-               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               dq_full, dq_empty, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr,
+               FIRST_STORE: gl.constexpr = False):
     """FUSED_DQ's writer warp: for every step (query head g of the group, query block blk, in
     _step's LOCKSTEP order) it adds both consumers' staged dQ tiles to the fp32 buffer with TMA
     reductions (rows ``dqa_row0 + g * dqa_head_rows + blk * BLOCK_M``) and hands the staging tiles
@@ -322,7 +323,12 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
     count at a program's turn is its key block. The launch runs the key blocks first first, so a
     program waits only on programs started before it, and in LOCKSTEP order it waits on a program
     at the same step: the programs of a head are skewed by one addition each, once. Without it,
-    the additions land in any order."""
+    the additions land in any order.
+
+    FIRST_STORE (with DETERMINISTIC; TRITONATTN_BWD_DQ_FIRST_STORE): key block 0, first in every
+    query block's order, stores its tiles instead of adding them, so the buffer needs no zero fill
+    (the launcher allocates it unwritten only where key block 0's program reaches every query block
+    of every head: bwd._first_store_ok)."""
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQA, [dqa_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, DQ_COLS], layout)
@@ -336,7 +342,13 @@ def _dq_writer(DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROU
         row = dqa_row0 + g * dqa_head_rows + blk * BLOCK_M
         for wg in gl.static_range(2):
             mbarrier.wait(dq_full.index(wg), t & 1)
-            _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
+            if FIRST_STORE:
+                if key_blk == 0:  # the block's first writer: a store (its completion tracked the same way)
+                    tma.async_copy_shared_to_global(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
+                else:
+                    _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
+            else:
+                _tma_reduce_add(dq_desc, [row, wg * DQ_COLS], dq_stage.index(wg))
         tma.store_wait(pendings=0)  # the staging tiles are read: back to the consumers
         mbarrier.arrive(dq_empty.index(0))
         mbarrier.arrive(dq_empty.index(1))
@@ -557,8 +569,10 @@ def _bwd_dkdv_ws_kernel(
     num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, FUSED_DQ: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_DIAG: gl.constexpr = False, DESC_3D: gl.constexpr = False,
     SPLIT_WAITS: gl.constexpr = False, SECTION: gl.constexpr = 0, KV_SPLIT: gl.constexpr = 1,
+    FIRST_STORE: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(not FIRST_STORE or (FUSED_DQ and DETERMINISTIC), "a first store needs the ordered fused dQ")
     # KV_SPLIT > 1 (bwd.py, configs.kv_split): each real kv head's query heads are split over KV_SPLIT
     # programs ("virtual" kv heads: Hkv and GROUP here are the virtual ones), which read the same K / V
     # and write partial dK / dV (fp32) of their heads into DK / DV, which have Hkv virtual heads; the
@@ -683,7 +697,7 @@ def _bwd_dkdv_ws_kernel(
                          do_smem, kv_bar, ready_bars, empty_bars, lse_base, delta_base, stride_lse_h, rows_smem,
                          HEAD_DIM, BLOCK_M, STAGES, True)),
             (_dq_writer, (DQA, dqa_rows, dqa_row0, dqa_head_rows, SEM, sem0, sem_head, GROUP, lo_blk, n_m, key_blk,
-                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC)),
+                          dq_stage, dq_full, dq_empty, HEAD_DIM, BLOCK_M, DETERMINISTIC, FIRST_STORE)),
         ], [4, 1, 1], [240, 24, 24])
     elif SPLIT_GRADS:
         gl.warp_specialize([
