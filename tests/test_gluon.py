@@ -431,14 +431,15 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
 
 @pytest.mark.parametrize("case,first", [("full", True), ("causal", True), ("causal-fewer-keys", False),
                                         ("partial-block", False), ("switch-off", False), ("atomic", False),
-                                        ("varlen", False)])
+                                        ("varlen", False), ("D64", True), ("D64-half-block", False)])
 def test_fused_dq_first_store_launch(monkeypatch, case, first):
     """TRITONATTN_BWD_DQ_FIRST_STORE (an experiment, off by default): the ordered fused dQ's launch
     gets FIRST_STORE, and its fp32 buffer is left unwritten (here NaN) instead of zeroed, exactly where
     key block 0's program writes every row block first (bwd._first_store_ok): dense calls with whole
-    query blocks, causal ones whose first query sees the first key; not for a partial last block, a
-    causal call with more queries than keys, the atomic dQ (no order), packed sequences, or with the
-    switch off. The switch is in the plan's key (the second call of each case replays)."""
+    query blocks (D=64: of 128 rows), causal ones whose first query sees the first key; not for a
+    partial last block (D=64: 64 rows past whole 128-row blocks), a causal call with more queries than
+    keys, the atomic dQ (no order), packed sequences, or with the switch off. The switch is in the
+    plan's key (the second call of each case replays)."""
     from tritonattn.kernels import bwd_sm90, launch, plan
 
     real_empty = torch.empty  # (unwritten buffers read as NaN)
@@ -455,8 +456,11 @@ def test_fused_dq_first_store_launch(monkeypatch, case, first):
     monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
     seen = []
     monkeypatch.setattr(launch, "launch", lambda fn, grid, args, kwargs: seen.append((fn.__name__, args, kwargs)))
-    block_m = bwd_sm90.TILES[128][0]
-    S = -(-configs.GLUON_MIN_SEQLEN["bwd_dkdv"][128][1] // block_m) * block_m  # (whole blocks, Gluon's lengths)
+    D = 64 if case.startswith("D64") else 128
+    block_m = bwd_sm90.TILES[D][0]
+    assert D == 128 or block_m > 64, "D=64's dK/dV query block moved: change the half-block case"
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], D, (0, 0))  # (the Gluon kernel at every length)
+    S = 16 * block_m
     if case == "varlen":
         cu = torch.tensor([0, S, 2 * S], dtype=torch.int32)
         q = torch.empty(2 * S, 8, 128, dtype=torch.bfloat16)
@@ -464,8 +468,9 @@ def test_fused_dq_first_store_launch(monkeypatch, case, first):
         var = Variants(softmax_scale=SCALE, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
         lse = torch.empty(8, 2 * S)
     else:
-        Sq, Sk = {"partial-block": (S - 5, S - 5), "causal-fewer-keys": (S, S - block_m)}.get(case, (S, S))
-        q, k, v = qkv(Sq=Sq, Sk=Sk)
+        Sq, Sk = {"partial-block": (S - 5, S - 5), "causal-fewer-keys": (S, S - block_m),
+                  "D64-half-block": (S + 64, S + 64)}.get(case, (S, S))
+        q, k, v = qkv(Sq=Sq, Sk=Sk, D=D)
         causal = case.startswith("causal")
         var = Variants(softmax_scale=SCALE, win_right=0 if causal else None)
         lse = torch.empty(2, 8, Sq)
@@ -488,6 +493,7 @@ def test_fused_dq_first_store_launch(monkeypatch, case, first):
     assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_left=100), 1024, 1024, block_m) is False
     assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=-1), 1024, 1024, block_m) is False
     assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=64), 1024, 1000, block_m) is True
+    assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=-24), 1024, 1048, block_m) is True
 
 
 @pytest.mark.parametrize("value", ["x", "-2", "1.5"])

@@ -1094,33 +1094,41 @@ def test_gluon_fused_dq_sections_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, mon
         assert torch.equal(a, b)
 
 
-# (batch, queries, keys, query heads, kv heads, causal, TRITONATTN_BWD_FUSED_SECTION, whether key block 0
-# stores): whole query blocks without and with a causal mask, GQA, on the 2-d grid and in sections; a
-# right edge past the keys' start; and calls where it must not (a partial last block, a causal call with
-# more queries than keys), which the poisoned buffer would show
+# (batch, queries, keys, query heads, kv heads, head dim, the right edge (None: no mask, 0: causal),
+# TRITONATTN_BWD_FUSED_SECTION, whether key block 0 stores): whole query blocks without and with a
+# causal mask, GQA / MQA, on the 2-d grid and in sections, D=64 (128-row blocks); right edges past and
+# before the first key with Sq != Sk; and calls where it must not: a partial last block (the launch
+# assertion catches a wrong guard there: the stray rows it would write are mostly overwritten), a
+# causal call with more queries than keys (rows no program reaches: NaN), D=64 with 64-row but not
+# 128-row blocks
 FIRST_STORE_CASES = [
-    (2, 2048, 2048, 8, 2, False, "0", True), (2, 2048, 2048, 8, 8, True, "0", True),
-    (2, 2048, 3000, 16, 4, True, "3", True), (1, 4096, 4096, 8, 1, False, None, True),
-    (2, 2000, 2000, 8, 2, False, "0", False), (2, 2048, 1500, 8, 2, True, "0", False),
+    (2, 2048, 2048, 8, 2, 128, None, "0", True), (2, 2048, 2048, 8, 8, 128, 0, "0", True),
+    (2, 2048, 3000, 16, 4, 128, 0, "3", True), (1, 4096, 4096, 8, 1, 128, None, None, True),
+    (2, 2048, 1500, 8, 2, 128, 600, "0", True), (2, 2048, 2148, 8, 2, 128, -100, "0", True),
+    (2, 2048, 2048, 8, 2, 64, 0, "0", True), (2, 2048, 1500, 8, 2, 128, None, "0", True),
+    (2, 2000, 2000, 8, 2, 128, None, "0", False), (2, 2048, 1500, 8, 2, 128, 0, "0", False),
+    (2, 2112, 2112, 8, 2, 64, None, "0", False),
 ]
 
 
-@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,causal,section,first", FIRST_STORE_CASES,
-                         ids=[f"{c[1]}x{c[2]}-H{c[3]}-{c[4]}-{'causal' if c[5] else 'full'}-{c[6] or 'default'}"
-                              for c in FIRST_STORE_CASES])
-def test_gluon_fused_dq_first_store_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, first, monkeypatch, poison):
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,right,section,first", FIRST_STORE_CASES,
+                         ids=[f"{c[1]}x{c[2]}-H{c[3]}-{c[4]}-D{c[5]}-{'full' if c[6] is None else f'right{c[6]}'}-"
+                              f"{c[7] or 'default'}" for c in FIRST_STORE_CASES])
+def test_gluon_fused_dq_first_store_on_gpu(B, Sq, Sk, Hq, Hkv, D, right, section, first, monkeypatch, poison):
     """TRITONATTN_BWD_DQ_FIRST_STORE (an experiment, off by default): the ordered fused dQ's key block 0
     stores its tiles and the fp32 buffer starts unwritten (NaN under the poison fixture) where
-    bwd._first_store_ok allows it; the gradients are bitwise those with the switch off (x + 0 = x:
-    the first addition into zeros is the value itself), with and without sections."""
+    bwd._first_store_ok allows it; the gradients are those with the switch off, bitwise up to the
+    sign of zeros (a store of -0.0 where 0 + -0.0 gives +0.0; torch.equal takes them as equal), with
+    and without sections; and within the reference's tolerance."""
     if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
         pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
     set_env(monkeypatch, "TRITONATTN_BWD_FUSED_SECTION", section)
-    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], 128, (0, 0))  # (the Gluon kernel at every length)
-    torch.manual_seed(Sq + Sk + Hkv)
-    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, 128, BF16, DEVICE)
-    out = flash_attn_func(q, k, v, causal=causal)
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], D, (0, 0))  # (the Gluon kernel at every length)
+    torch.manual_seed(Sq + Sk + Hkv + D)
+    q, k, v = random_qkv(B, Sq, Sk, Hq, Hkv, D, BF16, DEVICE)
+    window = (-1, -1) if right is None else (-1, right)
+    out = flash_attn_func(q, k, v, window_size=window)
     dout = torch.randn_like(out)
     grads, stored = [], []
     real = launch.launch  # (taken once: a second wrapper must not call the first and record twice)
@@ -1140,7 +1148,7 @@ def test_gluon_fused_dq_first_store_on_gpu(B, Sq, Sk, Hq, Hkv, causal, section, 
     assert stored == [[(True, True, False)], [(True, True, first)]], stored
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
-    check_against_reference(q, k, v, out, None, grads[1], dout, causal)
+    check_against_reference(q, k, v, out, None, grads[1], dout, False, window_size=window)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
