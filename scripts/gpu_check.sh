@@ -12,7 +12,10 @@
 #                                        scripts/profile_case.py $PROFILE_ARGS (per-kernel device times),
 #                                        gluon-fwd / gluon-bwd (only when named): benchmarks/experiments/
 #                                        tune_gluon_{fwd,bwd}.py $GLUON_FWD_ARGS / $GLUON_BWD_ARGS
-#                                        (several runs separated by ';')
+#                                        (several runs separated by ';'),
+#                                        bwd-flags (only when named): benchmarks/experiments/bwd_flags.py
+#                                        $BWD_FLAGS_ARGS (several runs separated by ';'; bwd-flags.md,
+#                                        bwd-flags1.md, ...; TUNE_WALL bounds each)
 #   TUNE_ARGS="--modes fwd ...;..."      also run scripts/tune.py with these arguments (after the bench;
 #                                        several runs separated by ';')
 #   TUNE_DECODE_ARGS="--batches 64"      scripts/tune_decode.py with these arguments (before the tune runs)
@@ -113,6 +116,21 @@ if [ -z "${SKIP_EXTRA:-}" ]; then
   [[ $extras == *" profile "* ]] && python3 scripts/profile_case.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.md"
   [[ $extras == *" example "* ]] && python3 examples/hf_llama.py 2>&1 | tee "$OUT/hf_llama-example.log" | tail -15
   # the Gluon tuners: several runs separated by ';' log to gluon-fwd.md, gluon-fwd1.md, ...
+  if [[ $extras == *" bwd-flags "* ]]; then
+    IFS=';' read -ra flag_runs <<< "${BWD_FLAGS_ARGS:-}"
+    [ ${#flag_runs[@]} -eq 0 ] && flag_runs=("")
+    for i in "${!flag_runs[@]}"; do
+      log="$OUT/bwd-flags$( [ "$i" -gt 0 ] && echo "$i" ).md"
+      # (the quoted settings of a run are split as the shell would: "configs.X[a][b]=(1,2)")
+      eval "flag_args=(${flag_runs[$i]})" || { echo "cannot parse bwd-flags run $i"; status=1; continue; }
+      timeout "${TUNE_WALL:-0}" python3 benchmarks/experiments/bwd_flags.py "${flag_args[@]}" 2>&1 \
+        | tee "$log" | grep -v "(expected: " | tail -30
+      rc=${PIPESTATUS[0]}
+      [ "$rc" -ne 0 ] && { echo "bwd-flags run $i exited $rc"; status=1; }
+      # a setting meant to keep the default's bits (no LOOSE part) whose gradients differ fails the call
+      grep "GRADIENTS DIFFER" "$log" | grep -qv "(expected: " && { echo "bwd-flags run $i: unexpected gradient differences"; status=1; }
+    done
+  fi
   for mode in fwd bwd; do
     [[ $extras == *" gluon-$mode "* ]] || continue
     args_var=GLUON_${mode^^}_ARGS
