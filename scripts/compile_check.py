@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         return cases
 
     def run(D, dtype, var, dkdv=None, tma=True, pdl=False, gluon=False, split_diag=False, trace=False, fwd_tile=None,
-            **kw):
+            dkdv_sections=False, **kw):
         with contextlib.ExitStack() as stack:
             if fwd_tile:  # the Gluon forward with this tile at D, with a mask or without (fwd_sm90.BY_MASK)
                 stack.enter_context(mock.patch.object(fwd_sm90, "BY_MASK", {(D, False): fwd_tile, (D, True): fwd_tile}))
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
             # and the Gluon kernels' varlen paths (fwd.GLUON_VARLEN, on by default; bwd.GLUON_VARLEN, off)
             stack.enter_context(mock.patch.object(fwd, "GLUON_VARLEN", gluon))
             stack.enter_context(mock.patch.object(bwd, "GLUON_VARLEN", gluon))
+            if dkdv_sections:  # the dK/dV launch without the fused dQ in sections (configs.DKDV_SECTION_WAVES)
+                stack.enter_context(mock.patch.object(configs, "DKDV_SECTION_WAVES", 1000))
             if dkdv is not None:  # a dK / dV config of its own (head-dim split candidates)
                 stack.enter_context(configs.override(bwd_dkdv=dkdv))
             if not tma:  # the backward through pointers (TRITONATTN_BWD_TMA=0; its own dK/dV tiles)
@@ -325,6 +327,9 @@ def main(argv=None) -> int:
                 # packed: the kernel's IS_VARLEN with KV_SPLIT, the sum kernel's IS_VARLEN (by length class)
                 (f"gluon-kv-split-varlen-causal-{dt}", 128, dtypes[dt], dict(base),
                  dict(s=2048, gluon=True, varlen=True, kv_split="2")),
+                # and on a 1-d grid in sections of kv heads (configs.DKDV_SECTION_WAVES, an experiment)
+                (f"gluon-kv-split-sections-causal-{dt}", 128, dtypes[dt], dict(base),
+                 dict(s=2048, gluon=True, kv_split="2", dkdv_sections=True)),
                 # the opt-in TRITONATTN_BWD_DESC_3D=1: the dK/dV producer's one 3-d Q / dO descriptor
                 (f"gluon-bwd-desc-3d-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True, desc_3d=True)),
                 # with the D=64 causal split into two loops (SPLIT_DIAG), D=256's split by gradient, packed

@@ -496,6 +496,48 @@ def test_fused_dq_first_store_launch(monkeypatch, case, first):
     assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=-24), 1024, 1048, block_m) is True
 
 
+@pytest.mark.parametrize("case", ["split", "no-split", "full", "over-waves", "off", "varlen"])
+def test_dkdv_section_launch(monkeypatch, case):
+    """configs.DKDV_SECTION_WAVES (an experiment, off by default): the Gluon dK/dV launch without the
+    fused dQ, causal, of at most that many waves of programs, runs on a 1-d grid in sections of kv
+    heads (a wave's worth: SMs // key blocks, at least FUSED_SECTION_MIN_HEADS), KV_SPLIT's virtual
+    heads counted (here 36 SMs, 7 key blocks: 5 heads, or all 4); packed calls too; not without a
+    mask, past the waves, or with it off (the 2-d grid)."""
+    from tritonattn.kernels import bwd_sm90, launch, plan
+
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
+    monkeypatch.setattr(configs, "DKDV_SECTION_WAVES", {"off": 0, "over-waves": 1}.get(case, 4))
+    monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "2" if case == "split" else "1")  # (forced: the rule's is 4 here)
+    sms = 20 if case == "over-waves" else 36  # (over-waves: 28 programs past one wave of 20)
+    monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: sms)
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], 128, (0, 0))
+    if case == "varlen":  # 20 key blocks x 2 sequences x 2 kv heads: 80 programs, sections of all 4 heads
+        seen, _, _, (q, k, v), var = _recorded_varlen_call(monkeypatch, bwd)
+        lse = torch.empty(8, 3001)
+        want = (4, (80,))
+    else:
+        monkeypatch.setattr(bwd, "GLUON", True)
+        monkeypatch.setattr(bwd, "_on_sm90", lambda q: True)
+        monkeypatch.setattr(configs, "BATCH_INVARIANT", False)
+        seen = []
+        monkeypatch.setattr(launch, "launch",
+                            lambda fn, grid, args, kwargs: seen.append((fn.__name__, grid, args, kwargs)))
+        S = 7 * bwd_sm90.BLOCK_N - 5  # 7 key blocks
+        q, k, v = qkv(Sq=S, Sk=S, Hkv=2)
+        var = Variants(softmax_scale=SCALE, win_right=None if case == "full" else 0)
+        lse = torch.empty(2, 8, S)
+        heads = 2 * 2 * (2 if case == "split" else 1)
+        want = {"split": (5, (7 * 8,)), "no-split": (4, (7 * 4,))}.get(case, (0, (7, heads)))
+    do, out = torch.empty_like(q), torch.empty_like(q)
+    plan.clear()
+    for _ in range(2):  # recorded, then replayed
+        del seen[:]
+        bwd.attention_backward(do, q, k, v, out, lse, var)
+        (grid, kwargs), = [(g, kw) for name, g, _, kw in seen if name == "_bwd_dkdv_ws_kernel"]
+        assert not kwargs["FUSED_DQ"] and kwargs.get("KV_SPLIT", 1) == (2 if case == "split" else 1), kwargs
+        assert (kwargs["SECTION"], tuple(grid)) == want, (case, kwargs["SECTION"], grid)
+
+
 @pytest.mark.parametrize("value", ["x", "-2", "1.5"])
 def test_fused_dq_section_bad_value(value):
     """A TRITONATTN_BWD_FUSED_SECTION that is no count, 'auto' or 0: an error naming the variable."""

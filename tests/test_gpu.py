@@ -1151,6 +1151,58 @@ def test_gluon_fused_dq_first_store_on_gpu(B, Sq, Sk, Hq, Hkv, D, right, section
     check_against_reference(q, k, v, out, None, grads[1], dout, False, window_size=window)
 
 
+# (batch, length, query heads, kv heads, head dim, packed): the launches the rule serves: GQA 16 and
+# 8 (KV_SPLIT's virtual heads by the default rule), MHA, D=64 / 256 (128-row blocks, the split by
+# gradient), a packed call of two sequences
+DKDV_SECTION_CASES = [(2, 2048, 16, 1, 128, False), (2, 2048, 16, 2, 128, False), (1, 3000, 8, 8, 128, False),
+                      (2, 4096, 8, 2, 64, False), (2, 2048, 8, 2, 256, False), (2, 2048, 16, 1, 128, True)]
+
+
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,packed", DKDV_SECTION_CASES,
+                         ids=[f"B{c[0]}-S{c[1]}-H{c[2]}-{c[3]}-D{c[4]}{'-packed' if c[5] else ''}"
+                              for c in DKDV_SECTION_CASES])
+def test_gluon_dkdv_sections_on_gpu(B, S, Hq, Hkv, D, packed, monkeypatch, poison):
+    """configs.DKDV_SECTION_WAVES (an experiment, off by default): the causal Gluon dK/dV launch
+    without the fused dQ (the split kernels, KV_SPLIT's partials) on a 1-d grid in sections of kv
+    heads: every program computes what it computes on the 2-d grid, so the gradients are bitwise
+    those of the 2-d grid; and within the reference's tolerance."""
+    if not bwd._on_sm90(torch.empty(0, device=DEVICE)):
+        pytest.skip("the Gluon dK/dV kernel runs on sm_90 GPUs only")
+    monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
+    monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], D, (0, 0))  # (the Gluon kernel at every length)
+    torch.manual_seed(S + Hkv + D)
+    q, k, v = random_qkv(B, S, S, Hq, Hkv, D, BF16, DEVICE)
+    if packed:
+        cu = torch.arange(B + 1, device=DEVICE, dtype=torch.int32) * S
+        leaves = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+        out = flash_attn_varlen_func(*leaves, cu, cu, S, S, causal=True)
+    else:
+        leaves = (q, k, v)
+        out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads, sections = [], []
+    real = launch.launch  # (taken once: a second wrapper must not call the first and record twice)
+    for waves in (0, 1000):
+        monkeypatch.setattr(configs, "DKDV_SECTION_WAVES", waves)
+        seen = []
+
+        def record(fn, grid, args, kwargs, seen=seen, real=real):
+            if fn.__name__ == "_bwd_dkdv_ws_kernel":
+                seen.append((kwargs["SECTION"], kwargs["FUSED_DQ"]))
+            real(fn, grid, args, kwargs)
+
+        monkeypatch.setattr(launch, "launch", record)
+        plan.clear()
+        grads.append(torch.autograd.grad(out, leaves, dout, retain_graph=True))
+        sections.append(seen)
+    assert sections[0] and all(sec == 0 and not fused for sec, fused in sections[0]), sections
+    assert sections[1] and all(sec > 0 and not fused for sec, fused in sections[1]), sections
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    if not packed:
+        check_against_reference(q, k, v, out, None, grads[1], dout, True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_kv_split_on_gpu(D, causal, monkeypatch, poison):

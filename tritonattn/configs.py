@@ -482,6 +482,14 @@ FUSED_SECTION_WAVES = 4
 # different kernels (packed calls promise their sequences' dense bits).
 FUSED_DQ_MASKED_WAVES = False
 FUSED_SECTION_MIN_HEADS = 4
+# The Gluon dK/dV launch without the fused dQ (the split kernels, KV_SPLIT's partials included) in
+# sections of kv heads, key blocks outer, where it is causal and has at most this many waves of
+# programs (key blocks x batch x kv heads x KV_SPLIT): a head-major grid of a few waves leaves its
+# last heads' long programs (the first key blocks, which see every query block) running alone at the
+# end (a helper's model, forty-fourth session: the SMs 78-81% busy at GQA 16 split 4, 62% at GQA 8
+# 2048, 97-99% key blocks first). Each program computes what it computes on the 2-d grid: bitwise the
+# same gradients. 0: off (not yet measured; bwd_flags.py "configs.DKDV_SECTION_WAVES=4").
+DKDV_SECTION_WAVES = 0
 WIDE_PROGRAMS = 2048
 _SHORT_WIDE_FWD = {128: C(128, 64, 4, 2)}
 _SHORT_CAUSAL = {
@@ -536,6 +544,15 @@ def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int, progr
             return False
         first = max(first, grid)
     return longest >= first
+
+
+def dkdv_sections(causal: bool, n_kb: int, heads: int, sms: int) -> int:
+    """Kv heads per section of the Gluon dK/dV launch without the fused dQ (:data:`DKDV_SECTION_WAVES`;
+    ``heads``: batch x kv heads x KV_SPLIT, ``n_kb`` key blocks each, on ``sms`` SMs): a wave's worth
+    (SMs // key blocks, at least FUSED_SECTION_MIN_HEADS), or 0 (the 2-d grid)."""
+    if not (causal and DKDV_SECTION_WAVES and n_kb * heads <= DKDV_SECTION_WAVES * sms):
+        return 0
+    return max(1, min(heads, max(FUSED_SECTION_MIN_HEADS, sms // max(1, n_kb))))
 
 
 def fused_sections(head_dim: int, group: int, longest: int, programs: float = math.inf, sms: int = 0) -> bool:

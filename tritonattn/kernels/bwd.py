@@ -879,9 +879,13 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
             gk, gv = partials
         seqs = dict(cu_seqlens=(var.cu_seqlens_q, var.cu_seqlens_k), max_seqlens=(Sq, Sk),
                     lengths=(lo, hi)) if var.varlen else {}
-        # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order)
-        sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D) if sem is not None else 0
-        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv,) if sec else (n_kb, B * Hkv * split),
+        # the ordered fused dQ's programs in sections of kv heads, key blocks outer (section_order); without
+        # it, a causal launch of a few waves (configs.dkdv_sections, off by default)
+        if sem is not None:
+            sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D)
+        else:
+            sec = configs.dkdv_sections(var.win_right is not None, n_kb, B * Hkv * split, sms)
+        b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv * split,) if sec else (n_kb, B * Hkv * split),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, gk, gv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, kv_split=split, **seqs),
                  dict(CAUSAL=var.win_right is not None, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
