@@ -308,6 +308,8 @@ def main(argv=None) -> int:
                 # D=64 (three consumers);
                 *fwd_tile_cases("no-split-wait", dt, dict(SPLIT_WAIT=False), "full", "full-D256"),
                 *fwd_tile_cases("split-wait", dt, dict(SPLIT_WAIT=True), "full-D64"),
+                # TREE_MAX (the row max as a tree; an experiment): D=64 causal (two consumers) and full (three)
+                *fwd_tile_cases("tree-max", dt, dict(TREE_MAX=True), "causal-D64", "full-D64"),
                 # K / V broadcast along the batch: the Gluon forward's per-tile descriptors on a dense call
                 (f"gluon-expanded-kv-causal-{dt}", 128, dtypes[dt], dict(base), dict(s=2048, gluon=True,
                                                                                     expand_kv=True)),

@@ -320,6 +320,9 @@ _FWD_TILES = {
     "D256-split-wait": (256, {(256, False): dict(SPLIT_WAIT=False), (256, True): dict(SPLIT_WAIT=False)}, None),
     # (fp16: the f16x2 rounding of P in both tiles)
     "D128-split-wait-fp16": (128, {(128, False): dict(SPLIT_WAIT=False), (128, True): dict(SPLIT_WAIT=False)}, None),
+    # TREE_MAX (an experiment, off: the row max as a tree) against the default tile
+    "D64-tree-max": (64, None, {(64, False): dict(_NC3, TREE_MAX=True), (64, True): dict(TREE_MAX=True)}),
+    "D128-tree-max": (128, None, {(128, False): dict(TREE_MAX=True), (128, True): dict(TREE_MAX=True)}),
 }
 
 
@@ -332,7 +335,8 @@ def test_gluon_forward_tiles_bitwise(tiles, causal, programs, poison, monkeypatc
     against one Q buffer, three V slots and the output stored from registers; at D=64 three
     consumer warpgroups (192-row tiles) with O_TMA without a mask, and also with one, against two
     consumers; SPLIT_WAIT (the softmax of S_j while P_{j-1} V_{j-1} runs; the default at D=128 and
-    D=256) against the tile without it, in fp16 too (a case named -fp16; the others bf16). A row's
+    D=256) against the tile without it, in fp16 too (a case named -fp16; the others bf16); TREE_MAX
+    (the row max as a tree) against the default. A row's
     arithmetic is the same in all (the key blocks a larger tile visits past a row's diagonal add
     exact zeros). On one program per SM and on 7 (many tiles each: the Q buffers, the rings and the
     turns carry across tiles), dense (GQA, a length that is no multiple of the tile) and packed

@@ -99,7 +99,7 @@ MAXNREG_3 = 128
 def tile(head_dim: int, causal: bool) -> dict:
     """The kernel's tile constexprs at ``head_dim``, with a causal mask or a window's right edge or
     without (TILES, BY_MASK)."""
-    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False)
+    t = dict(Q_BUFS=1, K_APART=False, O_TMA=False, NC=2, SPLIT_WAIT=False, TREE_MAX=False)
     t.update(TILES[head_dim])
     t.update(BY_MASK.get((head_dim, causal), {}))
     t.setdefault("V_STAGES", t["STAGES"])
@@ -135,18 +135,37 @@ def _to16(x, dtype: gl.constexpr):
 
 
 @gluon.jit
+def _row_max_tree(s):
+    """``s`` ([rows, BLOCK_N]) with its columns halved four times, each column the larger of a pair
+    (BLOCK_N / 16 left; the caller's max over them is the row max). A row's maximum as a tree: the
+    running max's chain of dependent FMNMX before the first exp2 goes from ~31 levels to ~6 (D=64's
+    step is softmax-bound, the chain in series with the other consumer's products; a helper's SASS
+    reading, forty-fourth session). Max is exact: the same value as gl.max(s, 1)."""
+    ROWS: gl.constexpr = s.shape[0]
+    W: gl.constexpr = s.shape[1]
+    x = gl.max(gl.reshape(s, [ROWS, 2, W // 2]), 1)
+    x = gl.max(gl.reshape(x, [ROWS, 2, W // 4]), 1)
+    x = gl.max(gl.reshape(x, [ROWS, 2, W // 8]), 1)
+    return gl.max(gl.reshape(x, [ROWS, 2, W // 16]), 1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_scale,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, TREE_MAX: gl.constexpr = False):
     """Online softmax of one block of raw scores ``s`` (exp2 domain, scale folded into one FMA).
     Returns the probabilities (fp32), the new running max and sum, and the rescale factor of the
-    accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf."""
+    accumulator. MASKED: keys past Sk and, when CAUSAL, past each row's diagonal score -inf.
+    TREE_MAX (a tile field, an experiment): the row max as a tree (_row_max_tree), the same value."""
     if MASKED:
         cols = start_n + offs_n
         keep = gl.expand_dims(cols < Sk, 0)
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m + causal_shift, 1))
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if TREE_MAX:
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(_row_max_tree(s), 1), m_i.type.layout) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -374,7 +393,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
                     MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     V_STAGES: gl.constexpr,
                     K_APART: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                    SPLIT_WAIT: gl.constexpr = False):
+                    SPLIT_WAIT: gl.constexpr = False, TREE_MAX: gl.constexpr = False):
     """Key blocks [lo, hi) of one consumer: its turn (step j is the consumer's j-th turn), S_j and
     P_{j-1} V_{j-1} issued, the turn handed over, both products awaited, the softmax of S_j, the
     rescale; V block j-1's slot released, and K block j's (K_APART) or j-1's. The K ring has STAGES
@@ -409,7 +428,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
         if not SPLIT_WAIT:
             mbarrier.arrive(v_empty.index(v_prev))
         p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, j * BLOCK_N, Sk, causal_shift, qk_scale,
-                                             MASKED, CAUSAL)
+                                             MASKED, CAUSAL, TREE_MAX)
         if SPLIT_WAIT:  # P_{j-1} V_{j-1}, which ran through the softmax
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
             mbarrier.arrive(v_empty.index(v_prev))
@@ -422,7 +441,7 @@ def _consumer_steps(lo, hi, J, T, WG: gl.constexpr, NC: gl.constexpr, q, k_smem,
 def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
               IS_VARLEN: gl.constexpr, K_APART: gl.constexpr, TRACE: gl.constexpr, DESC_ONCE: gl.constexpr,
-              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr):
+              O_TMA: gl.constexpr, SPLIT_WAIT: gl.constexpr, TREE_MAX: gl.constexpr):
     """Query rows [start_m + 64 WG, + 64) of each of the program's tiles over the tile's key blocks,
     then their output and lse. Ring slots, turns and Q buffers are counted across tiles. ``args``:
     the kernel's runtime values the consumers share (one tuple: a tuple assigned to a name in
@@ -484,20 +503,20 @@ def _consumer(WG: gl.constexpr, args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constex
                 mbarrier.arrive(k_empty.index(J % STAGES))
             if n_full > 0:
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, False,
-                                                     CAUSAL)
+                                                     CAUSAL, TREE_MAX)
             else:
                 p32, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, 0, sk, shift, qk_scale, True,
-                                                     CAUSAL)
+                                                     CAUSAL, TREE_MAX)
             p = gl.convert_layout(_to16(p32, dtype), p_layout)
 
             acc, p, m_i, l_i = _consumer_steps(1, gl.maximum(n_full, 1), J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT, TREE_MAX)
             acc, p, m_i, l_i = _consumer_steps(gl.maximum(n_full, 1), n_blocks, J, T, WG, NC, q, k_smem, v_smem, k_bars,
                                                v_bars, k_empty, v_empty, turn_bars, acc, p, m_i, l_i, s_zero, offs_m,
                                                offs_n, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, STAGES, V_STAGES,
-                                               K_APART, o_layout, p_layout, SPLIT_WAIT)
+                                               K_APART, o_layout, p_layout, SPLIT_WAIT, TREE_MAX)
             if not O_TMA:  # every S of the tile is done: its Q buffer can take a later tile's Q
                 mbarrier.arrive(q_empty.index(qb))
             # the last block's P V, in turn
@@ -561,7 +580,7 @@ def _fwd_ws_kernel(
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, num_warps: gl.constexpr, IS_VARLEN: gl.constexpr = False, K_APART: gl.constexpr = False,
     DESC_ONCE: gl.constexpr = False, TRACE: gl.constexpr = False, O_TMA: gl.constexpr = False, NC: gl.constexpr = 2,
-    SPLIT_WAIT: gl.constexpr = False,
+    SPLIT_WAIT: gl.constexpr = False, TREE_MAX: gl.constexpr = False,
 ):
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert((NC == 2) | (NC == 3), "two or three consumer warpgroups")
@@ -605,19 +624,19 @@ def _fwd_ws_kernel(
     if NC == 2:
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, TREE_MAX)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, TREE_MAX)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 1], [240, 24])
     else:  # the registers of 16 warps x MAXNREG_3 (128): 160 per consumer thread, 24 per producer thread
         gl.warp_specialize([
             (_consumer, (0, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, TREE_MAX)),
             (_consumer, (1, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, TREE_MAX)),
             (_consumer, (2, args, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, K_APART, TRACE,
-                         DESC_ONCE, O_TMA, SPLIT_WAIT)),
+                         DESC_ONCE, O_TMA, SPLIT_WAIT, TREE_MAX)),
             (_producer, (pargs, CAUSAL, HEAD_DIM, BLOCK_N, STAGES, V_STAGES, Q_BUFS, NC, IS_VARLEN, DESC_ONCE, TRACE))],
             [4, 4, 1], [160, 160, 24])
 
