@@ -496,18 +496,20 @@ def test_fused_dq_first_store_launch(monkeypatch, case, first):
     assert bwd._first_store_ok(Variants(softmax_scale=SCALE, win_right=-24), 1024, 1048, block_m) is True
 
 
-@pytest.mark.parametrize("case", ["split", "no-split", "full", "over-waves", "off", "varlen"])
+@pytest.mark.parametrize("case", ["split", "no-split", "full", "over-waves", "off", "varlen", "atomic"])
 def test_dkdv_section_launch(monkeypatch, case):
     """configs.DKDV_SECTION_WAVES (an experiment, off by default): the Gluon dK/dV launch without the
     fused dQ, causal, of at most that many waves of programs, runs on a 1-d grid in sections of kv
     heads (a wave's worth: SMs // key blocks, at least FUSED_SECTION_MIN_HEADS), KV_SPLIT's virtual
     heads counted (here 36 SMs, 7 key blocks: 5 heads, or all 4); packed calls too; not without a
-    mask, past the waves, or with it off (the 2-d grid)."""
+    mask, past the waves, with it off, or for the opt-in atomic dQ's fused launch (the 2-d grid)."""
     from tritonattn.kernels import bwd_sm90, launch, plan
 
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "0")
     monkeypatch.setattr(configs, "DKDV_SECTION_WAVES", {"off": 0, "over-waves": 1}.get(case, 4))
     monkeypatch.setenv("TRITONATTN_BWD_KV_SPLIT", "2" if case == "split" else "1")  # (forced: the rule's is 4 here)
+    if case == "atomic":
+        monkeypatch.setenv("TRITONATTN_ATOMIC_DQ", "1")
     sms = 20 if case == "over-waves" else 36  # (over-waves: 28 programs past one wave of 20)
     monkeypatch.setattr(bwd.bwd_sm90, "sm_count", lambda device: sms)
     monkeypatch.setitem(configs.GLUON_MIN_SEQLEN["bwd_dkdv"], 128, (0, 0))
@@ -534,7 +536,7 @@ def test_dkdv_section_launch(monkeypatch, case):
         del seen[:]
         bwd.attention_backward(do, q, k, v, out, lse, var)
         (grid, kwargs), = [(g, kw) for name, g, _, kw in seen if name == "_bwd_dkdv_ws_kernel"]
-        assert not kwargs["FUSED_DQ"] and kwargs.get("KV_SPLIT", 1) == (2 if case == "split" else 1), kwargs
+        assert kwargs["FUSED_DQ"] == (case == "atomic") and kwargs.get("KV_SPLIT", 1) == (2 if case == "split" else 1)
         assert (kwargs["SECTION"], tuple(grid)) == want, (case, kwargs["SECTION"], grid)
 
 

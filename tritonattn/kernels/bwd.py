@@ -883,8 +883,10 @@ def attention_backward(do, q, k, v, out, lse, var: Variants, dq=None, dk=None, d
         # it, a causal launch of a few waves (configs.dkdv_sections, off by default)
         if sem is not None:
             sec = bwd_sm90.section_order(section, n_kb, B * Hkv, q, Hq // Hkv, max(Sq, Sk), D)
-        else:
+        elif dqa is None:
             sec = configs.dkdv_sections(var.win_right is not None, n_kb, B * Hkv * split, sms)
+        else:  # (the opt-in atomic dQ's fused launch: the 2-d grid)
+            sec = 0
         b.launch(bwd_sm90._bwd_dkdv_ws_kernel, (n_kb * B * Hkv * split,) if sec else (n_kb, B * Hkv * split),
                  bwd_sm90.launch_args(q, k, v, do, lse, delta, gk, gv, var.window_args()[1], var.scale_args()[0],
                                       var.softmax_scale, dqa=dqa, sem=sem, kv_split=split, **seqs),

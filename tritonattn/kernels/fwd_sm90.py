@@ -136,8 +136,8 @@ def _to16(x, dtype: gl.constexpr):
 
 @gluon.jit
 def _row_max_tree(s):
-    """``s`` ([rows, BLOCK_N]) with its columns halved four times, each column the larger of a pair
-    (BLOCK_N / 16 left; the caller's max over them is the row max). A row's maximum as a tree: the
+    """``s`` ([rows, BLOCK_N]) with its columns halved four times (three at BLOCK_N 64), each column
+    the larger of a pair (8 or fewer left; the caller's max over them is the row max). A row's maximum as a tree: the
     running max's chain of dependent FMNMX before the first exp2 goes from ~31 levels to ~6 (D=64's
     step is softmax-bound, the chain in series with the other consumer's products; a helper's SASS
     reading, forty-fourth session). Max is exact: the same value as gl.max(s, 1)."""
@@ -146,7 +146,9 @@ def _row_max_tree(s):
     x = gl.max(gl.reshape(s, [ROWS, 2, W // 2]), 1)
     x = gl.max(gl.reshape(x, [ROWS, 2, W // 4]), 1)
     x = gl.max(gl.reshape(x, [ROWS, 2, W // 8]), 1)
-    return gl.max(gl.reshape(x, [ROWS, 2, W // 16]), 1)
+    if W >= 128:  # (at BLOCK_N 64 a fourth halving crosses a lane bit: shuffles, compile_check, a review)
+        x = gl.max(gl.reshape(x, [ROWS, 2, W // 16]), 1)
+    return x
 
 
 @gluon.jit
