@@ -432,19 +432,17 @@ def test_fused_dq_section_launch(monkeypatch, section, heads):
 @pytest.mark.parametrize("case,first", [("full", True), ("causal", True), ("causal-fewer-keys", False),
                                         ("partial-block", False), ("switch-off", False), ("atomic", False),
                                         ("varlen", False), ("D64", True), ("D64-half-block", False)])
-def test_fused_dq_first_store_launch(monkeypatch, case, first):
+def test_fused_dq_first_store_launch(monkeypatch, case, first, poison):
     """TRITONATTN_BWD_DQ_FIRST_STORE (an experiment, off by default): the ordered fused dQ's launch
-    gets FIRST_STORE, and its fp32 buffer is left unwritten (here NaN) instead of zeroed, exactly where
-    key block 0's program writes every row block first (bwd._first_store_ok): dense calls with whole
+    gets FIRST_STORE, and its fp32 buffer is left unwritten (NaN: the poison fixture) instead of
+    zeroed, exactly where key block 0's program writes every row block first (bwd._first_store_ok):
+    dense calls with whole
     query blocks (D=64: of 128 rows), causal ones whose first query sees the first key; not for a
     partial last block (D=64: 64 rows past whole 128-row blocks), a causal call with more queries than
     keys, the atomic dQ (no order), packed sequences, or with the switch off. The switch is in the
     plan's key (the second call of each case replays)."""
     from tritonattn.kernels import bwd_sm90, launch, plan
 
-    real_empty = torch.empty  # (unwritten buffers read as NaN)
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
-                        if kw.get("dtype", torch.get_default_dtype()).is_floating_point else real_empty(*a, **kw))
     monkeypatch.setenv("TRITONATTN_BWD_FUSED_DQ", "all")
     if case != "switch-off":
         monkeypatch.setenv("TRITONATTN_BWD_DQ_FIRST_STORE", "1")

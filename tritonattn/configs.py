@@ -546,13 +546,20 @@ def fused_dq_serves(head_dim: int, masked: bool, longest: int, group: int, progr
     return longest >= first
 
 
+def section_heads(n_kb: int, heads: int, sms: int) -> int:
+    """Kv heads per section of a Gluon dK/dV launch on a 1-d grid of ``heads`` kv heads of ``n_kb``
+    key blocks each: a wave's worth of programs (``sms`` // key blocks), at least
+    :data:`FUSED_SECTION_MIN_HEADS`, at most the launch's heads."""
+    return max(1, min(heads, max(FUSED_SECTION_MIN_HEADS, sms // n_kb)))
+
+
 def dkdv_sections(causal: bool, n_kb: int, heads: int, sms: int) -> int:
     """Kv heads per section of the Gluon dK/dV launch without the fused dQ (:data:`DKDV_SECTION_WAVES`;
-    ``heads``: batch x kv heads x KV_SPLIT, ``n_kb`` key blocks each, on ``sms`` SMs): a wave's worth
-    (SMs // key blocks, at least FUSED_SECTION_MIN_HEADS), or 0 (the 2-d grid)."""
+    ``heads``: batch x kv heads x KV_SPLIT, ``n_kb`` key blocks each, on ``sms`` SMs): section_heads,
+    or 0 (the 2-d grid)."""
     if not (causal and DKDV_SECTION_WAVES and n_kb * heads <= DKDV_SECTION_WAVES * sms):
         return 0
-    return max(1, min(heads, max(FUSED_SECTION_MIN_HEADS, sms // max(1, n_kb))))
+    return section_heads(n_kb, heads, sms)
 
 
 def fused_sections(head_dim: int, group: int, longest: int, programs: float = math.inf, sms: int = 0) -> bool:

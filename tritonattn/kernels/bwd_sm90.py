@@ -768,7 +768,7 @@ def section_order(value: str | None, n_kb: int, heads: int, q: torch.Tensor, gro
         return min(heads, int(text))
     if value is None and not configs.fused_sections(head_dim, group, longest, n_kb * heads, sm_count(q.device)):
         return 0
-    return max(1, min(heads, max(configs.FUSED_SECTION_MIN_HEADS, sm_count(q.device) // n_kb)))
+    return configs.section_heads(n_kb, heads, sm_count(q.device))
 
 
 def launch_args(q, k, v, do, lse, delta, dk, dv, win_right: int, qk_scale: float, sm_scale: float,

@@ -165,9 +165,10 @@ def _softmax_step(s, m_i, l_i, offs_m, offs_n, start_n, Sk, causal_shift, qk_sca
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m + causal_shift, 1))
         s = gl.where(keep, s, float("-inf"))
     if TREE_MAX:
-        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(_row_max_tree(s), 1), m_i.type.layout) * qk_scale)
+        row_max = gl.convert_layout(gl.max(_row_max_tree(s), 1), m_i.type.layout)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        row_max = gl.max(s, 1)
+    m_new = gl.maximum(m_i, row_max * qk_scale)
     m_sub = m_new
     if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
